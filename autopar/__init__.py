@@ -1,0 +1,13 @@
+"""autopar: find the fastest way to run a PyTorch model on many devices, then build it.
+
+Public surface (see docs/ and DESIGN.md): ``capture``, the error classes, and the ``ir`` module.
+"""
+
+from autopar import ir
+from autopar.capture import capture
+from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
+
+__version__ = "0.1.0"
+
+__all__ = ["AutoparError", "CaptureError", "InfeasibleError", "PlanError", "capture", "ir",
+           "__version__"]

@@ -1,0 +1,80 @@
+"""Capture pass: a model (nn.Module, shipped/HF config, or ONNX file) -> autopar.ir.Graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autopar.errors import CaptureError
+from autopar.ir.blocks import assign_blocks
+from autopar.ir.graph import Graph
+
+
+def _as_tuple(example_inputs: object) -> tuple:
+    if example_inputs is None:
+        return ()
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def capture(
+    model: nn.Module | str | Path,
+    example_inputs: object = None,
+    *,
+    kwargs: dict | None = None,
+    batch: int = 1,
+    seq: int | None = None,
+) -> Graph:
+    """Capture a model into autopar's IR.
+
+    ``model`` is an ``nn.Module`` (with ``example_inputs``, a tuple whose tensors have the batch
+    dimension first; meta tensors are fine), a path to an ``.onnx`` file, or a Hugging Face
+    config (a shipped name such as ``"llama3-8b"``, a ``config.json`` path or its folder), which is
+    built on the meta device and fed ``batch`` x ``seq`` token ids. Raises
+    :class:`autopar.CaptureError` naming what failed and how to fix it.
+    """
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        if text.lower().endswith(".onnx"):
+            from autopar.capture.onnx_import import onnx_graph
+
+            graph = onnx_graph(Path(text))
+        else:
+            from autopar.models.hf import build_model, load_config, max_positions, token_inputs
+
+            cfg = load_config(text)
+            module = build_model(cfg, device="meta")
+            args = _as_tuple(example_inputs) or token_inputs(
+                batch, seq or min(max_positions(cfg), 4096))
+            graph = _capture_module(module, args, kwargs, cfg)
+    elif isinstance(model, nn.Module):
+        args = _as_tuple(example_inputs)
+        if not args:
+            raise CaptureError(
+                f"no example inputs for {type(model).__name__}; pass a tuple of tensors shaped "
+                f"like a real batch, e.g. (torch.zeros(1, 128, dtype=torch.long, device='meta'),)"
+            )
+        cfg = model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else None
+        graph = _capture_module(model, args, kwargs, cfg)
+    else:
+        raise CaptureError(
+            f"cannot capture a {type(model).__name__}; pass an nn.Module, an .onnx path or a "
+            f"Hugging Face config name/path"
+        )
+    assign_blocks(graph)
+    return graph
+
+
+def _capture_module(module: nn.Module, args: tuple, kwargs: dict | None, cfg: dict | None) -> Graph:
+    from autopar.capture.torch_capture import capture_module
+
+    with torch.no_grad():
+        return capture_module(module, args, kwargs, cfg)
+
+
+__all__ = ["capture"]

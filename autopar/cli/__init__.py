@@ -1,0 +1,48 @@
+"""The ``autopar`` command line. Exit codes: 0 done, 2 bad input or infeasible, 1 internal error."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from autopar.cli.common import fail_message
+from autopar.cli.inspect_cmd import inspect_cmd
+from autopar.errors import AutoparError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="autopar")
+def cli() -> None:
+    """autopar: plan, build and run a PyTorch model across many devices.
+
+    \b
+    Examples:
+      autopar inspect llama3-8b              # capture a shipped config, print its structure
+      autopar inspect ./my-model/config.json --seq 2048
+      autopar inspect model.onnx
+    """
+
+
+cli.add_command(inspect_cmd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one line on stderr and exit code 2 for any input problem."""
+    try:
+        code = cli.main(args=argv, prog_name="autopar", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.UsageError as exc:
+        print(fail_message(exc.format_message(), exc.ctx), file=sys.stderr)
+        code = 2
+    except click.ClickException as exc:
+        print(fail_message(exc.format_message(), None), file=sys.stderr)
+        code = 2
+    except click.Abort:
+        print("autopar: interrupted", file=sys.stderr)
+        code = 130
+    except AutoparError as exc:
+        print(fail_message(str(exc), None), file=sys.stderr)
+        code = 2
+    sys.exit(code or 0)

@@ -1,0 +1,19 @@
+"""The errors a user can act on. Each message names the cause and the fix in one line."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class: a problem with the user's input, reported without a traceback by the CLI."""
+
+
+class CaptureError(AutoparError):
+    """The model (or ONNX file) could not be turned into autopar's IR."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the device budget; the message says which bound and the way out."""
+
+
+class PlanError(AutoparError):
+    """A plan file is malformed, of another version, or inconsistent with the model or world."""
