@@ -85,23 +85,30 @@ def assign_blocks(graph: Graph) -> None:
         tail: list[str] = []
         layers: dict[str, list[str]] = {}
         order: list[str] = []
+        carried: list[int] = []  # ops between consecutive layers, per gap
         for op in ops:
             key = _layer_key(op.module_path, container)
             if key is not None:
                 if key not in layers:
                     layers[key] = []
                     order.append(key)
-                    tail_carry, tail[:] = list(tail), []
                     if current is not None:
-                        layers[current].extend(tail_carry)
+                        layers[current].extend(tail)
+                        carried.append(len(tail))
                     else:
-                        head.extend(tail_carry)
+                        head.extend(tail)
+                    tail = []
                 current = key
                 layers[key].append(op.name)
             elif current is None:
                 head.append(op.name)
             else:
                 tail.append(op.name)
+        # The last layer gets the same trailing ops the others got (e.g. an activation applied
+        # in the parent's loop), so that it keeps the type of its siblings.
+        if carried and len(set(carried)) == 1 and carried[0] <= len(tail):
+            layers[order[-1]].extend(tail[: carried[0]])
+            tail = tail[carried[0]:]
         if head:
             groups.append(("head", "head", head))
         groups.extend((key, "layer", layers[key]) for key in order)
