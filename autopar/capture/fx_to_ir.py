@@ -63,7 +63,7 @@ def _module_info(node: fx.Node) -> tuple[str, str]:
     return path, cls_name.rsplit(".", 1)[-1]
 
 
-def _moe_modules(paths: set[str]) -> set[str]:
+def moe_modules(paths: set[str]) -> set[str]:
     """Module paths that own an ``experts`` child: the MoE layers."""
     out = set()
     for p in paths:
@@ -73,7 +73,7 @@ def _moe_modules(paths: set[str]) -> set[str]:
     return out
 
 
-def _refine_kind(kind: OpKind, name: str, path: str, module_type: str, moe: set[str]) -> OpKind:
+def refine_kind(kind: OpKind, name: str, path: str, module_type: str, moe: set[str]) -> OpKind:
     """Use the module an op came from to refine the kind its target alone gives."""
     parts = path.split(".") if path else []
     if "experts" in parts and kind is not OpKind.VIEW:
@@ -112,7 +112,7 @@ def fx_graph_to_ir(
     inputs: list[GraphInput] = []
     ops: list[OpNode] = []
     paths = {_module_info(n)[0] for n in graph.nodes}
-    moe = _moe_modules(paths)
+    moe = moe_modules(paths)
     outputs: list[str] = []
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -143,7 +143,7 @@ def fx_graph_to_ir(
         if name in ("to", "_to_copy") and ins and ins[0] == outs[0]:
             kind = OpKind.VIEW  # a cast to the same dtype is a no-op
         path, module_type = _module_info(node)
-        kind = _refine_kind(kind, name, path, module_type, moe)
+        kind = refine_kind(kind, name, path, module_type, moe)
         if kind is OpKind.VIEW and used_params and len(args) == 1:
             derived[node.name] = used_params  # w.t(), w.view(...) is still w
         rd, wr = op_bytes(kind, ins, outs, target)

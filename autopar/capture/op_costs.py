@@ -87,7 +87,7 @@ def matmul_flops(name: str, ins: list[TensorMeta], outs: list[TensorMeta]) -> in
         return 0
     out = outs[0]
     if name == "linear":
-        x, w = ins[0], ins[1]
+        w = ins[1]
         k = w.shape[-1] if len(w.shape) >= 1 else 1
         flops = 2 * out.numel * k
         if len(ins) > 2:  # bias

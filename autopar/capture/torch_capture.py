@@ -17,7 +17,7 @@ from autopar.errors import CaptureError
 from autopar.ir.graph import Graph, ParamInfo
 
 
-def _first_line(exc: BaseException, limit: int = 240) -> str:
+def first_line(exc: BaseException, limit: int = 240) -> str:
     text = str(exc).strip().splitlines()
     line = next((ln.strip() for ln in text if ln.strip()), type(exc).__name__)
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -204,7 +204,7 @@ def capture_module(model: nn.Module, args: tuple, kwargs: dict | None = None,
             raise
         except Exception as export_exc:  # noqa: BLE001 - any tracer failure is reported
             export_where = _describe_location(model, list(where))
-            export_reason = _first_line(export_exc)
+            export_reason = first_line(export_exc)
     if not kwargs or set(kwargs) == {"use_cache"}:
         try:
             return symbolic_graph(model, args, model_config)
