@@ -142,6 +142,9 @@ def parse_cluster(data: dict, where: str) -> Cluster:
         raise PlanError(f"{where}: not a mapping; see cost_models/README.md for the format")
     dev = _require(data, "device", where)
     node = _require(data, "node", where)
+    for key, section in (("device", dev), ("node", node)):
+        if not isinstance(section, dict):
+            raise PlanError(f"{where}: '{key}' must be a mapping; see cost_models/README.md for the format")
     eff = dev.get("efficiency") or {}
     try:
         device = DeviceSpec(
@@ -164,7 +167,7 @@ def parse_cluster(data: dict, where: str) -> Cluster:
             host_bandwidth=float(_require(node, "host_bandwidth", where)),
             host_memory_bytes=float(node.get("host_memory_bytes", 5e11)),
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
         raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like 312e12") from None
     if "fp32" not in device.peak_flops:
         raise PlanError(f"{where}: peak_flops needs at least fp32")
@@ -184,5 +187,6 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise PlanError(f"cannot read cluster file {path}: {exc}") from None
+        detail = " ".join(str(exc).split())  # YAML errors span several lines
+        raise PlanError(f"cannot read cluster file {path}: {detail}") from None
     return parse_cluster(data, str(path))

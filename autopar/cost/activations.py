@@ -1,0 +1,179 @@
+"""Activation memory from the graph: what autograd keeps alive between forward and backward.
+
+For every op whose output needs a gradient, a per-op rule says which tensors it saves
+(``linear`` its input, ``softmax`` its output, ``dropout`` a 1-byte mask, ...). Saved tensors
+are deduplicated by storage: a view of a tensor is the tensor, so a norm output that feeds
+three projections is counted once. This reproduces Korthikanti et al. (2022)'s per-layer count
+``s*b*h*(34 + 5*a*s/h)`` for a GPT layer with unfused attention.
+
+Tensor parallelism divides the tensors that live inside a Megatron TP region (between a
+column-parallel and a row-parallel linear, see :mod:`autopar.cost.tp_layout`); sequence
+parallelism divides the rest too. Recompute modes:
+
+- ``none``: everything saved;
+- ``selective``: the attention core (the ops from the score matmul to the value matmul, or the
+  fused SDPA op) is recomputed, so what only it saves is dropped; its inputs q, k, v stay;
+- ``full``: only the block's inputs are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.capture.op_costs import packet_name
+from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
+from autopar.ir.graph import Block, Graph, OpKind, OpNode
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# ops that save nothing for backward (their gradient needs only the output grad / shapes)
+_SAVE_NOTHING = {"add", "sub", "neg", "to", "_to_copy", "cat", "stack", "sum", "mean",
+                 "contiguous", "clone", "expand", "alias", "copy", "pad", "constant_pad_nd",
+                 "repeat", "arange", "zeros", "ones", "full", "new_ones", "new_zeros",
+                 "empty_like", "cumsum"}
+_SAVE_MASK_ONLY = {"masked_fill", "where", "masked_scatter"}
+_BINARY = {"mul", "div", "true_divide", "pow", "maximum", "minimum"}
+# ops that save their output rather than their input
+_SAVE_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "relu", "sigmoid", "tanh",
+                "exp", "rsqrt", "sqrt", "_safe_softmax"}
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    root: str  # producing op (views resolved to their base)
+    index: int  # which output of that op
+    nbytes: int
+    saver: str  # op that saves it
+
+
+def storage_root(graph: Graph, name: str) -> str:
+    """Follow views back to the op that owns the storage."""
+    seen = 0
+    while name in graph._by_name and graph.op(name).kind is OpKind.VIEW and seen < 64:
+        op = graph.op(name)
+        if not op.inputs:
+            break
+        name = op.inputs[0]
+        seen += 1
+    return name
+
+
+def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
+    return op.input_meta[i].nbytes if i < len(op.input_meta) else 0
+
+
+def requires_grad(graph: Graph) -> set[str]:
+    """Ops whose outputs depend on a trainable parameter (so autograd records them)."""
+    out: set[str] = set()
+    for op in graph.ops:
+        if any(graph.params.get(p) is not None and graph.params[p].trainable for p in op.params):
+            out.add(op.name)
+        elif any(src in out for src in op.inputs):
+            out.add(op.name)
+    return out
+
+
+def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTensor]:
+    """What ``op`` saves for its backward (activations only; parameters are not counted)."""
+    if op.name not in grad_ops or op.kind is OpKind.VIEW:
+        return []
+    name = packet_name(op.target)
+    act_inputs = [(i, src) for i, src in enumerate(op.inputs)]
+    if name in _SAVE_NOTHING:
+        return []
+    if name in ("dropout", "native_dropout", "feature_dropout"):
+        numel = op.output_meta[0].numel
+        return [SavedTensor(op.name + ":mask", 0, numel, op.name)]  # a 1-byte mask
+    if name in _SAVE_OUTPUT:
+        return [SavedTensor(op.name, 0, op.output_meta[0].nbytes, op.name)]
+    if op.kind is OpKind.ATTENTION and name in ("scaled_dot_product_attention",
+                                                "_scaled_dot_product_flash_attention",
+                                                "_scaled_dot_product_efficient_attention",
+                                                "_scaled_dot_product_flash_attention_for_cpu"):
+        out = [_saved(graph, op, i, src) for i, src in act_inputs[:3]]
+        out.append(SavedTensor(op.name, 0, op.output_meta[0].nbytes, op.name))
+        q = op.input_meta[0]
+        lse = q.numel // max(q.shape[-1], 1) * 4  # fp32 log-sum-exp per query row
+        out.append(SavedTensor(op.name + ":lse", 0, lse, op.name))
+        return out
+    if name in _SAVE_MASK_ONLY:  # the backward only routes gradients through the mask
+        return [_saved(graph, op, i, src) for i, src in act_inputs
+                if i < len(op.input_meta) and op.input_meta[i].dtype == "bool"]
+    if name in _BINARY and len(op.input_meta) < 2:
+        return []  # times a Python scalar: nothing to keep
+    # default (linear, matmul, norms, mul, gelu, silu, embedding indices, ...): tensor inputs
+    return [_saved(graph, op, i, src) for i, src in act_inputs]
+
+
+def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
+    """A saved input: the whole storage it views (q, k and v sliced from one qkv output keep
+    that output alive once)."""
+    root = storage_root(graph, src)
+    if root in graph._by_name:
+        nbytes = graph.op(root).output_meta[0].nbytes
+    else:
+        nbytes = _input_bytes(graph, op, i)
+    return SavedTensor(root, 0, nbytes, op.name)
+
+
+@dataclass
+class ActivationBreakdown:
+    """Per-micro-batch activation bytes of one block on one device."""
+
+    stored_bytes: float  # kept from forward to backward
+    recompute_peak_bytes: float  # extra live while the block's backward recomputes
+
+
+def block_activation_bytes(
+    graph: Graph,
+    block: Block,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    scale: float = 1.0,
+) -> ActivationBreakdown:
+    """Activation bytes of ``block`` per micro-batch on one device.
+
+    ``scale`` rescales every byte count, e.g. (micro-batch / captured batch) x (bytes of the
+    training dtype / bytes of the captured dtype).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
+    grad_ops = requires_grad(graph)
+    members = set(block.nodes)
+    layout: TPLayout = tp_layout(graph, block)
+    core = attention_core(graph, block) if recompute == "selective" else set()
+
+    def divisor(root: str) -> int:
+        base = root.split(":")[0]
+        if tp <= 1:
+            return 1
+        if sequence_parallel or base in layout.sharded:
+            return tp
+        return 1
+
+    stored: dict[tuple[str, int], float] = {}
+    everything: dict[tuple[str, int], float] = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        for t in saved_tensors(graph, op, grad_ops):
+            key = (t.root, t.index)
+            nbytes = t.nbytes / divisor(t.root)
+            everything[key] = nbytes
+            if recompute == "selective" and op.name in core and t.root.split(":")[0] in core:
+                continue  # produced and saved inside the recomputed core
+            stored.setdefault(key, nbytes)
+    if recompute == "full":
+        inputs: dict[str, float] = {}
+        for name in block.nodes:
+            op = graph.op(name)
+            for i, src in enumerate(op.inputs):
+                if src not in members and src in grad_ops:
+                    root = storage_root(graph, src)
+                    inputs[root] = _input_bytes(graph, op, i) / divisor(root)
+        total_stored = sum(inputs.values())
+        peak = sum(everything.values())
+    else:
+        total_stored = sum(stored.values())
+        peak = sum(everything.values()) - total_stored
+    return ActivationBreakdown(total_stored * scale, peak * scale)

@@ -1,0 +1,70 @@
+"""The parallel choice the cost model evaluates (the search's decision variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+OFFLOADS = ("optimizer", "params", "activations")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One point of the search space.
+
+    Mesh axes: ``pp x dp x ep x tp`` devices, ``tp`` innermost (consecutive ranks, so it stays
+    inside a node), then ``ep``, then ``dp``, ``pp`` outermost. Expert parallelism borrows
+    data-parallel devices: dense parameters are replicated over ``dp x ep`` ranks (their data
+    parallel degree), expert parameters are split over ``ep`` and replicated over ``dp``; the
+    batch is split over ``dp x ep``.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    microbatch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # interleaved 1F1B: model chunks per device
+    recompute: tuple[str, ...] | str = "none"  # one mode for all blocks, or one per block
+    offload: frozenset[str] = field(default_factory=frozenset)
+    stages: tuple[tuple[int, int], ...] | None = None  # [start, end) block ranges; None = balanced
+    compute_dtype: str = "bf16"
+    param_bytes: int = 2  # bytes per parameter held for compute
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12  # mixed-precision Adam: fp32 master + m + v (K = 12)
+    trainable_fraction: float = 1.0  # < 1 for parameter-efficient fine-tuning
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    @property
+    def data_parallel(self) -> int:
+        """Ways the batch is split (dense data-parallel degree)."""
+        return self.dp * self.ep
+
+    @property
+    def global_batch(self) -> int:
+        return self.data_parallel * self.microbatch_size * self.num_microbatches
+
+    def recompute_of(self, block_index: int) -> str:
+        if isinstance(self.recompute, str):
+            return self.recompute
+        return self.recompute[block_index]
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "tp", "pp", "ep", "microbatch_size", "num_microbatches",
+                     "virtual_stages"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis} must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError("zero_stage must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}")
+        bad = set(self.offload) - set(OFFLOADS)
+        if bad:
+            raise ValueError(f"unknown offload {sorted(bad)}; use {OFFLOADS}")

@@ -1,0 +1,74 @@
+"""Megatron-style tensor-parallel layout of a block, read off the graph's dataflow.
+
+Walking a block in execution order with a replicated/sharded state per value: a linear whose
+input is replicated is column-parallel (its output is split across the tp ranks); a linear
+whose input is already split is row-parallel (its output is a partial sum, all-reduced back to
+replicated). Every other op passes the split through. This finds q/k/v + o_proj and
+fc1 (gate/up) + fc2 (down) pairs in any transformer without knowing module names; the MoE router
+stays replicated and experts are left to expert parallelism.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from autopar.ir.graph import Block, Graph, OpKind
+
+
+@dataclass
+class TPLayout:
+    column: list[str] = field(default_factory=list)  # column-parallel linears
+    row: list[str] = field(default_factory=list)  # row-parallel linears (all-reduce after)
+    sharded: set[str] = field(default_factory=set)  # ops whose outputs are split over tp
+
+    def linear_divisor(self, name: str, tp: int) -> int:
+        return tp if name in self.column or name in self.row else 1
+
+
+_cache: weakref.WeakKeyDictionary[Graph, dict[int, TPLayout]] = weakref.WeakKeyDictionary()
+
+
+def tp_layout(graph: Graph, block: Block) -> TPLayout:
+    """The column/row linears and the ops whose outputs tp splits, for one block."""
+    per_graph = _cache.setdefault(graph, {})
+    if block.index in per_graph:
+        return per_graph[block.index]
+    layout = TPLayout()
+    split: set[str] = set()
+    for name in block.nodes:
+        op = graph.op(name)
+        inputs_split = any(src in split for src in op.inputs)
+        if op.kind is OpKind.LINEAR and op.params:
+            if inputs_split:
+                layout.row.append(name)  # output all-reduced: replicated again
+            else:
+                layout.column.append(name)
+                split.add(name)
+        elif op.kind in (OpKind.MOE_ROUTER, OpKind.MOE_EXPERT, OpKind.EMBEDDING):
+            continue
+        elif inputs_split:
+            split.add(name)
+    layout.sharded = split
+    per_graph[block.index] = layout
+    return layout
+
+
+def attention_core(graph: Graph, block: Block) -> set[str]:
+    """Ops from each attention module's first attention op (score matmul or fused SDPA) to its
+    last (value matmul): what selective recompute recomputes."""
+    by_module: dict[str, list[str]] = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        if op.kind is OpKind.ATTENTION:
+            by_module.setdefault(op.module_path, []).append(name)
+    core: set[str] = set()
+    for names in by_module.values():
+        first, last = names[0], names[-1]
+        core.update({first, last})
+        if first != last:
+            between = nx.descendants(graph.dag, first) & nx.ancestors(graph.dag, last)
+            core.update(n for n in between if n in set(block.nodes))
+    return core

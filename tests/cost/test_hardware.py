@@ -1,0 +1,258 @@
+"""The shipped hardware catalog (cost_models/*.yaml) and its loader (autopar.cost.hardware)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autopar import PlanError
+from autopar._paths import data_dir
+from autopar.cost.hardware import Cluster, catalog_names, load_cluster
+
+SHIPPED = ["a100-40g", "a100-80g", "ascend-910b", "b200", "cpu", "h100-80g", "h200", "v100-16g"]
+CATALOG = data_dir("cost_models")
+
+
+def _one_line_plan_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_catalog_lists_the_shipped_entries():
+    # a subset test: `autopar profile --out cost_models/my-box.yaml` may add local entries
+    assert set(SHIPPED) <= set(catalog_names())
+    assert catalog_names() == sorted(catalog_names())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_entry_loads_and_is_sane(name):
+    cluster = load_cluster(name)
+    dev, node = cluster.device, cluster.node
+    assert dev.name == name  # the `name:` field matches the file name
+    assert dev.type in {"cuda", "cpu", "npu"}
+    assert dev.backend == {"cuda": "nccl", "cpu": "gloo", "npu": "hccl"}[dev.type]
+    assert set(dev.peak_flops) <= {"fp32", "tf32", "bf16", "fp16", "fp8"}
+    assert all(v > 0 for v in dev.peak_flops.values())
+    assert dev.memory_bytes > 1e9 and dev.memory_bandwidth > 1e9
+    assert 0.5 <= dev.usable_fraction <= 1.0
+    eff = dev.efficiency
+    assert all(0 < f <= 1 for f in (eff.matmul, eff.memory, eff.attention))
+    assert eff.matmul_half_dim >= 1
+    assert node.devices_per_node >= 1
+    for value in (node.intra_bandwidth, node.inter_bandwidth, node.host_bandwidth,
+                  node.host_memory_bytes):
+        assert value > 1e8
+    assert 0 < node.intra_latency <= node.inter_latency < 1e-2
+    assert cluster.devices_per_node == node.devices_per_node
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n != "cpu"])
+def test_accelerator_half_precision_beats_fp32(name):
+    dev = load_cluster(name).device
+    half = max(dev.peak_flops.get("bf16", 0), dev.peak_flops.get("fp16", 0))
+    assert half >= 4 * dev.peak_flops["fp32"]
+
+
+def test_datasheet_facts():
+    a100 = load_cluster("a100-80g").device
+    assert a100.peak_flops == {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+    assert a100.memory_bytes == 80 * 2**30 and a100.memory_bandwidth == 2.039e12
+    a100_40 = load_cluster("a100-40g").device
+    assert a100_40.memory_bytes == 40 * 2**30 and a100_40.memory_bandwidth == 1.555e12
+
+    h100 = load_cluster("h100-80g").device
+    assert h100.peak_flops["bf16"] == 989.4e12  # dense SXM5 (1,979 "with sparsity" / 2)
+    assert h100.peak_flops["bf16"] == pytest.approx(989e12, rel=1e-3)
+    assert h100.peak_flops["fp8"] == pytest.approx(2 * h100.peak_flops["bf16"], rel=1e-3)
+    assert h100.memory_bytes == 80 * 2**30 and h100.memory_bandwidth == 3.35e12
+
+    h200 = load_cluster("h200").device
+    assert h200.peak_flops == h100.peak_flops
+    assert h200.memory_bytes == 143771 * 2**20 and h200.memory_bandwidth == 4.8e12
+
+    b200 = load_cluster("b200").device
+    assert b200.peak_flops["bf16"] == 2.25e15 and b200.peak_flops["fp8"] == 4.5e15
+    assert b200.memory_bandwidth == 8e12
+
+    v100 = load_cluster("v100-16g").device
+    assert v100.peak_flops == {"fp32": 15.7e12, "fp16": 125e12}
+    assert v100.memory_bytes == 16 * 2**30
+
+    assert load_cluster("ascend-910b").device.memory_bytes == 64 * 2**30
+
+    per_direction = {"a100-80g": 300e9, "h100-80g": 450e9, "h200": 450e9, "b200": 900e9,
+                     "v100-16g": 150e9}
+    for name, bw in per_direction.items():
+        assert load_cluster(name).node.intra_bandwidth == bw, name
+    assert load_cluster("a100-80g").node.inter_bandwidth == 25e9  # 200 Gb/s HDR per GPU
+    assert load_cluster("h100-80g").node.inter_bandwidth == 50e9  # 400 Gb/s NDR per GPU
+
+
+def test_devices_per_node():
+    for name in SHIPPED:
+        expected = 2 if name == "cpu" else 8
+        assert load_cluster(name).node.devices_per_node == expected, name
+
+
+def test_flops_for_aliases_and_fallback():
+    a100 = load_cluster("a100-80g").device
+    assert a100.flops_for("bfloat16") == a100.flops_for("bf16") == 312e12
+    assert a100.flops_for("float16") == 312e12
+    assert a100.flops_for("float32") == 19.5e12
+    assert a100.flops_for("tf32") == 156e12
+    assert a100.flops_for("float8_e4m3fn") == 19.5e12  # no fp8 on Ampere: the fp32 rate
+    assert load_cluster("h100-80g").device.flops_for("float8_e4m3fn") == 1978.9e12
+    assert load_cluster("v100-16g").device.flops_for("bfloat16") == 15.7e12
+
+
+def test_cluster_composes_from_a_catalog_name():
+    cluster = Cluster(device="h100-80g", nodes=4)
+    assert cluster.name == "h100-80g" and cluster.nodes == 4
+    assert cluster.devices_per_node == 8 and cluster.node.devices_per_node == 8
+    assert cluster.device.peak_flops["bf16"] == 989.4e12
+    assert cluster.with_devices(20).nodes == 3
+
+    small = Cluster(device="h100-80g", nodes=2, devices_per_node=4)
+    assert small.devices_per_node == 4 and small.node.devices_per_node == 4
+    assert small.node.intra_bandwidth == cluster.node.intra_bandwidth
+    assert small.with_devices(8).nodes == 2
+    assert load_cluster("h100-80g").node.devices_per_node == 8  # the catalog is untouched
+
+    assert load_cluster(cluster) is cluster
+
+
+def test_load_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((CATALOG / "a100-80g.yaml").read_text().replace("name: a100-80g\n", ""))
+    cluster = load_cluster(path)
+    assert cluster.name == "mine"  # no name: field => the file's stem
+    assert load_cluster(str(path)).device.peak_flops["bf16"] == 312e12
+
+
+def test_unknown_name_is_a_one_line_plan_error():
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster("tpu-v9")
+    message = _one_line_plan_error(excinfo)
+    assert "tpu-v9" in message and "h100-80g" in message  # names it and lists the choices
+
+
+def test_missing_file_is_a_one_line_plan_error(tmp_path):
+    missing = tmp_path / "nowhere.yaml"
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster(missing)
+    assert str(missing) in _one_line_plan_error(excinfo)
+
+
+def _write_without(tmp_path: Path, section: str, key: str) -> Path:
+    data = yaml.safe_load((CATALOG / "a100-80g.yaml").read_text())
+    del data[section][key]
+    path = tmp_path / f"no-{key}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("section, key", [
+    ("device", "peak_flops"), ("device", "memory_bytes"), ("device", "memory_bandwidth"),
+    ("node", "devices_per_node"), ("node", "intra_bandwidth"), ("node", "inter_bandwidth"),
+    ("node", "host_bandwidth"),
+])
+def test_missing_required_key_is_a_one_line_plan_error(tmp_path, section, key):
+    path = _write_without(tmp_path, section, key)
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster(path)
+    message = _one_line_plan_error(excinfo)
+    assert str(path) in message and key in message
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("name: x\n", "'device'"),
+    ("device: {peak_flops: {fp32: 1e12}, memory_bytes: 1e9, memory_bandwidth: 1e11}\n", "'node'"),
+    ("- just\n- a list\n", "not a mapping"),
+    ("device: [1, 2]\nnode: {}\n", "'device' must be a mapping"),
+    ("device: {peak_flops: [1, 2], memory_bytes: 1, memory_bandwidth: 1}\n"
+     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
+     "bad value"),
+    ("device: {peak_flops: {bf16: 1e12}, memory_bytes: 1, memory_bandwidth: 1}\n"
+     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
+     "fp32"),
+    ("device: {peak_flops: {fp32: fast}, memory_bytes: 1, memory_bandwidth: 1}\n"
+     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
+     "bad value"),
+    ("device: {peak_flops: {fp32: 1e12}\n  memory_bytes: [\n", "cannot read cluster file"),
+])
+def test_malformed_files_are_one_line_plan_errors(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster(path)
+    message = _one_line_plan_error(excinfo)
+    assert str(path) in message and needle in message
+
+
+# --- every number carries its source ------------------------------------------------------
+
+_KEY_VALUE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z0-9_]+):\s*(?P<value>[^#]*?)\s*(?P<comment>#.*)?$")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _unsourced_numbers(text: str) -> list[str]:
+    """Lines under device:/node: with a numeric value, no comment and no entry in sources:."""
+    data = yaml.safe_load(text)
+    sources = data.get("sources") or {}
+    missing, section, parents = [], None, []
+    for line in text.splitlines():
+        m = _KEY_VALUE.match(line)
+        if not m:
+            continue
+        indent = len(m["indent"])
+        if indent == 0:
+            section, parents = m["key"], []
+            continue
+        parents = [(i, k) for i, k in parents if i < indent]
+        if section in ("device", "node") and _is_number(m["value"]):
+            covered = m["comment"] or any(k in sources for k in [m["key"], *(k for _, k in parents)])
+            if not covered:
+                missing.append(line.strip())
+        parents.append((indent, m["key"]))
+    return missing
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_number_has_a_source(name):
+    text = (CATALOG / f"{name}.yaml").read_text()
+    assert _unsourced_numbers(text) == []
+    sources = yaml.safe_load(text)["sources"]
+    assert isinstance(sources, dict) and sources
+    assert all(isinstance(v, str) and v.strip() for v in sources.values())
+    for key in ("peak_flops", "memory_bytes", "memory_bandwidth", "devices_per_node",
+                "intra_bandwidth", "inter_bandwidth", "host_bandwidth"):
+        assert key in sources, (name, key)
+
+
+def test_source_check_catches_a_bare_number():
+    text = (CATALOG / "a100-80g.yaml").read_text()
+    bare = re.sub(r"(?m)^(  intra_latency: 5\.0e-6)\s+#.*$", r"\1", text)
+    assert bare != text
+    assert _unsourced_numbers(bare) == []  # still covered: intra_latency is in sources
+    uncovered = bare.replace('  intra_latency: "estimate"\n', "")
+    assert _unsourced_numbers(uncovered) == ["intra_latency: 5.0e-6"]
+
+
+def test_cpu_entry_is_marked_placeholder():
+    text = (CATALOG / "cpu.yaml").read_text()
+    numeric = [line for line in text.splitlines()
+               if (m := _KEY_VALUE.match(line)) and m["indent"] and _is_number(m["value"])]
+    assert numeric
+    for line in numeric:
+        assert "placeholder" in line, line
