@@ -77,11 +77,13 @@ def axis_placement(config: ParallelConfig, axis: str, devices_per_node: int) -> 
 
 
 def intra_link(cluster: Cluster) -> Link:
-    return Link(cluster.node.intra_bandwidth, cluster.node.intra_latency)
+    eff = cluster.device.efficiency.comm
+    return Link(cluster.node.intra_bandwidth * eff, cluster.node.intra_latency)
 
 
 def inter_link(cluster: Cluster) -> Link:
-    return Link(cluster.node.inter_bandwidth, cluster.node.inter_latency)
+    eff = cluster.device.efficiency.comm
+    return Link(cluster.node.inter_bandwidth * eff, cluster.node.inter_latency)
 
 
 def collective_time(kind: str, nbytes: float, placement: AxisPlacement, cluster: Cluster) -> float:

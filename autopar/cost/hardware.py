@@ -16,6 +16,7 @@ A catalog file looks like::
         matmul_half_dim: 128      # a dimension of this size halves matmul efficiency
         memory: 0.85              # elementwise / norm / view-copy bandwidth
         attention: 0.70
+        comm: 0.80                # collectives' achieved share of link bandwidth
     node:
       devices_per_node: 8
       intra_bandwidth: 300e9      # per device, one direction
@@ -52,6 +53,7 @@ class Efficiency:
     matmul_half_dim: float = 128.0
     memory: float = 0.8
     attention: float = 0.6
+    comm: float = 1.0  # achieved / link bandwidth for collectives
 
 
 @dataclass(frozen=True)

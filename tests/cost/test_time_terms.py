@@ -42,11 +42,11 @@ def test_links_chosen_by_placement() -> None:
     intra = axis_collective_time("all_reduce", nbytes, ParallelConfig(tp=8), "tp", cluster)
     inter = axis_collective_time("all_reduce", nbytes, ParallelConfig(dp=8, tp=8), "dp", cluster)
     hier = axis_collective_time("all_reduce", nbytes, ParallelConfig(dp=16, tp=2), "dp", cluster)
-    node = cluster.node
+    node, eff = cluster.node, cluster.device.efficiency.comm
     assert intra == pytest.approx(ring_time("all_reduce", nbytes, 8,
-                                            Link(node.intra_bandwidth, node.intra_latency)))
+                                            Link(node.intra_bandwidth * eff, node.intra_latency)))
     assert inter == pytest.approx(ring_time("all_reduce", nbytes, 8,
-                                            Link(node.inter_bandwidth, node.inter_latency)))
+                                            Link(node.inter_bandwidth * eff, node.inter_latency)))
     assert intra < hier < axis_collective_time("all_reduce", nbytes, ParallelConfig(dp=16, tp=8),
                                                "dp", cluster)
 
