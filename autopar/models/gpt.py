@@ -28,6 +28,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.fused = cfg.fused_attention
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -35,9 +36,13 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        # Head-major layout (per head: its q, k, v): a column split of qkv over tensor-parallel
+        # ranks then hands each rank whole heads, so the same code runs sharded or not.
+        heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, s, heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.fused:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.attn_drop.p if self.training else 0.0)
@@ -46,7 +51,7 @@ class Attention(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
             y = self.attn_drop(scores.softmax(dim=-1)) @ v
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, d)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, heads * self.head_dim)))
 
 
 class MLP(nn.Module):
