@@ -8,6 +8,7 @@ import click
 
 from autopar.cli.common import fail_message
 from autopar.cli.inspect_cmd import inspect_cmd
+from autopar.cli.profile_cmd import profile_cmd
 from autopar.errors import AutoparError
 
 
@@ -21,10 +22,12 @@ def cli() -> None:
       autopar inspect llama3-8b              # capture a shipped config, print its structure
       autopar inspect ./my-model/config.json --seq 2048
       autopar inspect model.onnx
+      autopar profile --quick --out my-box.yaml    # measure this machine, use cluster=my-box.yaml
     """
 
 
 cli.add_command(inspect_cmd)
+cli.add_command(profile_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,85 @@
+"""``autopar profile``: measure this machine and write a catalog YAML usable as ``cluster=PATH``."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+
+from autopar.cli.common import progress
+from autopar.errors import AutoparError
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e6:.3g} us" if value < 1e-3 else f"{value * 1e3:.3g} ms"
+
+
+def profile_text(data: dict, path: Path) -> str:
+    """A small table of what was measured."""
+    dev, node, eff = data["device"], data["node"], data["device"]["efficiency"]
+    prof = data["profile"]
+    rows = [(f"peak {k}", _si(v, "FLOP/s")) for k, v in dev["peak_flops"].items()]
+    rows += [
+        ("matmul half dim", f"{eff['matmul_half_dim']:.3g}"),
+        ("attention / peak", f"{eff['attention']:.2f}"),
+        ("memory bandwidth", _si(dev["memory_bandwidth"], "B/s")),
+        ("memory per device", _si(dev["memory_bytes"], "B")),
+        ("host bandwidth", _si(node["host_bandwidth"], "B/s")),
+    ]
+    lines = [f"{data['name']}: {dev['type']} x {node['devices_per_node']} ({dev['backend']}, "
+             f"{prof['nprocs']} processes, {prof['seconds']} s)"]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    if data["collectives"]:
+        lines.append(f"  {'collective':<15} {'latency':>10} {'bandwidth':>12}")
+        for name, fit in data["collectives"].items():
+            lines.append(f"  {name:<15} {_seconds(fit['alpha']):>10} "
+                         f"{_si(fit['beta'], 'B/s'):>12}")
+    lines.append(f"wrote {path}  (use it as cluster={path})")
+    return "\n".join(lines)
+
+
+@click.command("profile")
+@click.option("--out", "out", default="profile.yaml", show_default=True,
+              type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Where to write the profile YAML.")
+@click.option("--nprocs", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Local processes (devices) for the collective benchmarks; 1 skips them.")
+@click.option("--quick", is_flag=True, help="Fewer sizes and repeats (seconds, not minutes).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool) -> None:
+    """Measure matmul, memory and collective speed here; write a catalog YAML to --out.
+
+    Uses CUDA (nccl, one GPU per process) when torch sees a GPU, else the CPU (gloo, the cores
+    split among --nprocs processes). The file loads with `cluster=PATH` wherever a catalog
+    name is accepted; peak numbers are the best measured, so its efficiencies are 1.0.
+
+    \b
+    Examples:
+      autopar profile --quick
+      autopar profile --nprocs 4 --out cost_models/my-box.yaml
+      autopar profile --quick --format json --quiet
+    """
+    from autopar.cost.profile import profile_machine, write_profile
+
+    if not out.parent.is_dir():
+        raise AutoparError(f"cannot write {out}: folder {out.parent} does not exist")
+    with progress(f"profiling this machine ({'quick' if quick else 'about a minute'})", quiet):
+        data = profile_machine(nprocs=nprocs, quick=quick)
+    argv = ["autopar", "profile", "--out", str(out), "--nprocs", str(nprocs)]
+    path = write_profile(data, out, command=shlex.join(argv + ["--quick"] * quick))
+    if fmt == "json":
+        click.echo(json.dumps(data, indent=2))
+    else:
+        click.echo(profile_text(data, path))

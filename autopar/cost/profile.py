@@ -1,0 +1,383 @@
+"""``autopar profile``: measure this machine and write a hardware catalog entry for it.
+
+The result is a mapping in the catalog format of :mod:`autopar.cost.hardware` (so
+``load_cluster(path)`` reads the written file, and ``cluster=PATH`` uses it) plus extra
+top-level keys the loader ignores: ``collectives`` (per-collective alpha-beta fits and their
+points), ``measurements`` (the raw sweeps) and ``profile`` (how it was measured).
+
+Convention on a profiled machine: ``peak_flops[dtype]`` is the best rate measured over the
+matmul sweep and ``memory_bandwidth`` the best measured copy/add bandwidth, so
+``efficiency.matmul`` and ``efficiency.memory`` are 1.0; ``efficiency.matmul_half_dim`` is the
+least-squares fit of ``rate(d) / peak = d / (d + half)`` over the square fp32 d x d x d matmuls;
+``efficiency.attention`` is a measured scaled_dot_product_attention rate over the peak of its
+dtype (fp32 on CPU, bf16 on GPU).
+
+On CPU one "device" is one of ``nprocs`` processes sharing the machine, as the gloo runtime runs
+them: compute is measured with ``cpu_count // nprocs`` threads, the memory bandwidth measured with
+all threads is divided by ``nprocs``, and ``memory_bytes`` is the RAM divided by ``nprocs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import yaml
+
+from autopar.errors import AutoparError
+
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int,
+              min_sample_s: float = 2e-3) -> float:
+    """Median seconds per call of ``fn`` after warm-up; a sample batches enough calls to
+    last ``min_sample_s`` so that short calls are not lost in timer overhead."""
+    sync = _sync(device)
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - start, 1e-7)
+    inner = max(1, min(10_000, int(min_sample_s / once)))
+    samples = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def _setting(get: Callable[[], object], put: Callable[[object], None],
+             value: object) -> Iterator[None]:
+    """``put(value)`` for the block, the old value back after (``value`` None: unchanged)."""
+    before = get()
+    if value is not None:
+        put(value)
+    try:
+        yield
+    finally:
+        put(before)
+
+
+def _threads(count: int | None) -> contextlib.AbstractContextManager:
+    return _setting(torch.get_num_threads, torch.set_num_threads, count)
+
+
+def _tf32(enabled: bool) -> contextlib.AbstractContextManager:
+    matmul = torch.backends.cuda.matmul
+    return _setting(lambda: matmul.allow_tf32, lambda v: setattr(matmul, "allow_tf32", v),
+                    enabled)
+
+
+def matmul_shapes(sizes: list[int]) -> list[tuple[str, int, int, int]]:
+    """(kind, m, k, n): square d x d x d, and skinny (few rows, m = the smallest size) per d."""
+    small = min(sizes)
+    shapes = [("square", d, d, d) for d in sizes]
+    return shapes + [("skinny", small, d, d) for d in sizes if d > small]
+
+
+def measure_matmul(device: torch.device | str, dtypes: list[str], sizes: list[int],
+                   repeats: int) -> dict[str, list[dict]]:
+    """torch.mm rate per dtype and shape: ``{dtype: [{kind, m, k, n, seconds, flops}, ...]}``
+    where ``flops`` is the achieved FLOP/s (2 m k n / median seconds)."""
+    device = torch.device(device)
+    out: dict[str, list[dict]] = {}
+    for name in dtypes:
+        dtype = DTYPES[name]
+        rows = []
+        with _tf32(name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
+            for kind, m, k, n in matmul_shapes(sizes):
+                a = torch.randn(m, k, device=device).to(dtype)
+                b = torch.randn(k, n, device=device).to(dtype)
+                seconds = time_call(lambda a=a, b=b: torch.mm(a, b), device, repeats)
+                rows.append({"kind": kind, "m": m, "k": k, "n": n, "seconds": seconds,
+                             "flops": 2.0 * m * k * n / seconds})
+        out[name] = rows
+    return out
+
+
+def fit_half_dim(points: list[tuple[float, float]]) -> float:
+    """Least-squares ``half`` of ``eff = d / (d + half)`` over ``[(d, eff), ...]`` (a log-grid
+    search refined by golden section; the loss is one-dimensional and smooth)."""
+    def loss(h: float) -> float:
+        return sum((e - d / (d + h)) ** 2 for d, e in points)
+
+    grid = [10 ** (i / 20) for i in range(-20, 101)]  # 0.1 .. 1e5
+    best = min(range(len(grid)), key=lambda i: loss(grid[i]))
+    lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(40):
+        x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        lo, hi = (lo, x2) if loss(x1) < loss(x2) else (x1, hi)
+    return (lo + hi) / 2
+
+
+def measure_memory_bandwidth(device: torch.device | str, nbytes: int = 256 << 20,
+                             repeats: int = 5) -> dict[str, float]:
+    """Bytes moved per second by a large copy (read + write) and add (2 reads + write)."""
+    device = torch.device(device)
+    numel = nbytes // 4
+    a = torch.ones(numel, device=device)
+    b = torch.empty_like(a)
+    c = torch.empty_like(a)
+    copy_s = time_call(lambda: b.copy_(a), device, repeats)
+    add_s = time_call(lambda: torch.add(a, b, out=c), device, repeats)
+    return {"bytes": float(numel * 4), "copy": 2 * numel * 4 / copy_s,
+            "add": 3 * numel * 4 / add_s}
+
+
+def measure_host_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """Host <-> device copy rates (bytes/s), pinned and pageable (GPU only)."""
+    dev = torch.empty(nbytes // 4, device=device)
+    rates = {}
+    for pinned in (True, False):
+        host = torch.empty(nbytes // 4, pin_memory=pinned)
+        tag = "pinned" if pinned else "pageable"
+        rates[f"h2d_{tag}"] = nbytes / time_call(lambda h=host: dev.copy_(h), device, repeats)
+        rates[f"d2h_{tag}"] = nbytes / time_call(lambda h=host: h.copy_(dev), device, repeats)
+    return rates
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, seq: int,
+                      repeats: int) -> float:
+    """Achieved FLOP/s of non-causal scaled_dot_product_attention (batch 1, 8 heads, dim 64)."""
+    q, k, v = (torch.randn(1, 8, seq, 64, device=device, dtype=dtype) for _ in range(3))
+    seconds = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                        device, repeats)
+    return 4.0 * 8 * seq * seq * 64 / seconds
+
+
+def _plan(device: torch.device, quick: bool) -> dict:
+    gpu = device.type == "cuda"
+    if gpu:
+        sizes = [256, 512, 1024, 2048, 4096] + ([] if quick else [8192])
+        dtypes = ["fp32", "tf32", "bf16", "fp16"]
+        mem = (256 if quick else 1024) << 20
+        comm = [4 << 10 << 2 * i for i in range(8)] if quick else \
+            [4 << 10 << i for i in range(19)]  # 4 KB .. 64 MB (quick) / 1 GB
+    else:
+        sizes = [64, 128, 256, 512, 1024] + ([] if quick else [1536, 2048])
+        dtypes = ["fp32", "bf16"]
+        mem = 256 << 20
+        comm = [4 << 10 << (2 if quick else 1) * i for i in range(7 if quick else 15)]
+        # 4 KB .. 16 MB in steps of 4x (quick), 4 KB .. 64 MB in steps of 2x
+    return {"sizes": sizes, "dtypes": dtypes, "mem_bytes": mem, "comm_sizes": comm,
+            "repeats": 3 if quick else 7, "comm_repeats": 7 if quick else 20,
+            "attention_seq": 512 if quick or not gpu else 4096}
+
+
+def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = None,
+                    timeout_s: float = 300.0) -> dict:
+    """Measure this machine; returns the catalog mapping (see the module docstring)."""
+    import psutil
+
+    from autopar.cost.profile_comm import check_nprocs, measure_collectives
+
+    if nprocs < 1:
+        raise AutoparError(f"--nprocs must be at least 1, got {nprocs}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type not in ("cpu", "cuda"):
+        raise AutoparError(f"cannot profile device type '{dev.type}': use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise AutoparError("--device cuda asked for but torch sees no CUDA device")
+    gpu = dev.type == "cuda"
+    if gpu and dev.index is None:
+        dev = torch.device("cuda", 0)
+    backend = "nccl" if gpu else "gloo"
+    check_nprocs(nprocs, backend)  # before minutes of measuring
+    plan = _plan(dev, quick)
+    cpus = os.cpu_count() or 1
+    threads = None if gpu else max(1, cpus // nprocs)
+    started = time.perf_counter()
+    with _threads(threads):
+        mm = measure_matmul(dev, plan["dtypes"], plan["sizes"], plan["repeats"])
+        if not gpu:  # CPU fp16 is emulated and slow; record it so plans do not assume fp32's
+            mm |= measure_matmul(dev, ["fp16"], [d for d in plan["sizes"] if d <= 256],
+                                 plan["repeats"])
+        attn_dtype = "bf16" if gpu else "fp32"  # the dtype a GPU trains attention in
+        attn = measure_attention(dev, DTYPES[attn_dtype], plan["attention_seq"], plan["repeats"])
+    mem = measure_memory_bandwidth(dev, plan["mem_bytes"], 3 * plan["repeats"])
+    peak = {name: max(r["flops"] for r in rows) for name, rows in mm.items()}
+    half = fit_half_dim([(r["m"], r["flops"] / peak["fp32"]) for r in mm["fp32"]
+                         if r["kind"] == "square"])
+    share = 1 if gpu else nprocs
+    bandwidth = max(mem["copy"], mem["add"]) / share
+    host_rates = measure_host_bandwidth(dev, plan["mem_bytes"], plan["repeats"]) if gpu else {}
+    host_bw = min(host_rates["h2d_pinned"], host_rates["d2h_pinned"]) if gpu else bandwidth
+    ram = float(psutil.virtual_memory().total)
+    memory_bytes = float(torch.cuda.get_device_properties(dev).total_memory) if gpu else ram / nprocs
+
+    fits: dict[str, dict] = {}
+    if nprocs >= 2:
+        left = timeout_s - (time.perf_counter() - started)
+        fits = measure_collectives(nprocs, backend, plan["comm_sizes"], plan["comm_repeats"],
+                                   timeout_s=max(60.0, left))
+        intra_bw, intra_lat = fits["all_reduce"]["beta"], fits["all_reduce"]["alpha"]
+        comm_src = f"all_reduce alpha-beta fit over {nprocs} {backend} ranks (bus bandwidth)"
+    else:  # nothing to exchange with: the host path stands in, the latency is the default
+        intra_bw, intra_lat = host_bw, 1e-5
+        comm_src = "not measured (--nprocs 1): host_bandwidth and a 10 us default"
+
+    name = torch.cuda.get_device_name(dev) if gpu else _cpu_model()
+    slug = "-".join(name.lower().replace("(r)", "").split())[:40]
+    return {
+        "name": f"profile-{socket.gethostname()}-{slug}",
+        "device": {
+            "type": dev.type,
+            "backend": backend,
+            "peak_flops": peak,
+            "memory_bytes": memory_bytes,
+            "usable_fraction": 0.9,
+            "memory_bandwidth": bandwidth,
+            "efficiency": {"matmul": 1.0, "matmul_half_dim": half, "memory": 1.0,
+                           "attention": min(1.0, attn / peak[attn_dtype]),
+                           **_comm_efficiency()},
+        },
+        "node": {
+            "devices_per_node": torch.cuda.device_count() if gpu else nprocs,
+            "intra_bandwidth": intra_bw,
+            "intra_latency": intra_lat,
+            "inter_bandwidth": intra_bw,
+            "inter_latency": intra_lat,
+            "host_bandwidth": host_bw,
+            "host_memory_bytes": ram,
+        },
+        "sources": {
+            "peak_flops": "best torch.mm rate of the sweep (efficiency.matmul = 1.0)"
+                          + ("" if gpu else f", {threads} thread(s) per process; fp16 up to "
+                             "256^3 only"),
+            "matmul_half_dim": "least-squares fit of d/(d+half) to square fp32 d^3 matmuls",
+            "memory_bandwidth": "best of copy / add over a large tensor (efficiency.memory = 1.0)"
+                                + ("" if gpu else f", divided among {nprocs} processes"),
+            "attention": f"sdpa {attn_dtype} rate / peak_flops.{attn_dtype}",
+            "memory_bytes": "cuda total_memory" if gpu else f"RAM / {nprocs} processes",
+            "usable_fraction": "default, not measured",
+            "intra_bandwidth": comm_src + "; achieved, so efficiency.comm = 1.0",
+            "inter_bandwidth": "single-node profile: inter_* copy the intra-node fit",
+            "host_bandwidth": "min of pinned h2d / d2h copies" if gpu else "memory_bandwidth",
+        },
+        "collectives": {k: {"alpha": v["alpha"], "beta": v["beta"], "model": _MODELS[k],
+                            "outliers": v["outliers"], "points": v["points"]}
+                        for k, v in fits.items()},
+        "measurements": {"matmul": mm, "memory": mem, "host_copy": host_rates,
+                         "attention_flops": attn},
+        "profile": {"nprocs": nprocs, "quick": quick, "threads_per_process": threads,
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "torch": str(torch.__version__), "host": socket.gethostname()},
+    }
+
+
+_MODELS = {"all_reduce": "2(n-1) alpha + 2(n-1)/n bytes/beta",
+           "all_gather": "(n-1) alpha + (n-1)/n bytes/beta, bytes = output",
+           "reduce_scatter": "(n-1) alpha + (n-1)/n bytes/beta, bytes = input",
+           "all_to_all": "(n-1) alpha + (n-1)/n bytes/beta",
+           "broadcast": "ceil(log2 n) alpha + bytes/beta", "send_recv": "alpha + bytes/beta (ping-pong / 2)"}
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _comm_efficiency() -> dict[str, float]:
+    """``comm: 1.0`` where the loader knows the field: the fitted bandwidths are achieved ones."""
+    from dataclasses import fields
+
+    from autopar.cost.hardware import Efficiency
+
+    return {"comm": 1.0} if "comm" in {f.name for f in fields(Efficiency)} else {}
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
+def _float(dumper: yaml.SafeDumper, value: float) -> yaml.Node:
+    if not math.isfinite(value):
+        text = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+        return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+    text = f"{value:.4g}"
+    if "." not in text and "e" in text:
+        text = text.replace("e", ".0e", 1)  # YAML 1.1 reads 1e-05 as a string
+    elif "." not in text:
+        text += ".0"
+    return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+
+
+_FlowDict = type("_FlowDict", (dict,), {})
+_FlowList = type("_FlowList", (list,), {})
+
+
+def _styled(obj: object) -> object:
+    """Leaves inline (``{fp32: 1.2e+11, bf16: ...}``, ``[4096, 0.00043]``), the rest as blocks."""
+    if isinstance(obj, dict):
+        if 0 < len(obj) <= 6 and all(isinstance(v, int | float | str) for v in obj.values()):
+            return _FlowDict(obj)
+        return {k: _styled(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        if all(isinstance(v, int | float) for v in obj):
+            return _FlowList(obj)
+        return [_styled(v) for v in obj]
+    return obj
+
+
+_Dumper.add_representer(float, _float)
+_Dumper.add_representer(_FlowDict, lambda d, v: d.represent_mapping(
+    "tag:yaml.org,2002:map", v, flow_style=True))
+_Dumper.add_representer(_FlowList, lambda d, v: d.represent_sequence(
+    "tag:yaml.org,2002:seq", v, flow_style=True))
+
+
+def write_profile(data: dict, path: str | Path, command: str | None = None) -> Path:
+    """Write ``data`` as YAML with a header comment, atomically (temp file + os.replace)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise AutoparError(f"cannot write {path}: folder {path.parent} does not exist")
+    command = command or shlex.join(["autopar", *sys.argv[1:]])
+    header = (f"# Written by `autopar profile` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+              f"# host: {socket.gethostname()}  torch: {torch.__version__}  "
+              f"python: {platform.python_version()}\n"
+              f"# command: {command}\n"
+              f"# Measured, not datasheet: peak = best measured, so efficiency.matmul/memory = 1.\n"
+              f"# Single-node profile: node.inter_* repeat the intra-node all_reduce fit.\n")
+    text = header + yaml.dump(_styled(data), Dumper=_Dumper, sort_keys=False,
+                              default_flow_style=False, width=100)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise AutoparError(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
