@@ -92,6 +92,9 @@ def collective_time(kind: str, nbytes: float, placement: AxisPlacement, cluster:
     if n <= 1:
         return 0.0
     if nodes <= 1:
+        for fit_kind, alpha, beta in cluster.collective_fits:  # measured on this node
+            if fit_kind == kind:
+                return ring_time(kind, nbytes, n, Link(beta, alpha))
         return ring_time(kind, nbytes, n, intra_link(cluster))
     if k <= 1:
         return ring_time(kind, nbytes, n, inter_link(cluster))

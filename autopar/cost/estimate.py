@@ -241,20 +241,28 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
             out = sum(graph.op(n).output_bytes for n in graph.outputs if n in graph._by_name)
             mem.buffers += 2 * out * config.microbatch_size / _captured_batch(graph) * (
                 4 / _captured_float_bytes(graph)) / config.tp
-        dp_comm = 0.0
+        # data-parallel traffic: gradients reduced during the backward (reduce-scatter under
+        # ZeRO >= 1, all-reduce otherwise); parameters all-gathered after the step (ZeRO 1/2,
+        # hidden under the next forward) or before each use (ZeRO-3, forward and backward)
+        grad_comm = param_comm = 0.0
         if train:
             for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
                 grad_b = numel * config.trainable_fraction * config.grad_bytes
-                dp_comm += axis_collective_time("all_reduce", grad_b, config, axis, cluster)
-                if config.zero_stage == 3:
-                    param_b = numel * config.param_bytes
-                    dp_comm += 2 * axis_collective_time("all_gather", param_b, config, axis,
-                                                        cluster)
+                param_b = numel * config.param_bytes
+                if config.zero_stage == 0:
+                    grad_comm += axis_collective_time("all_reduce", grad_b, config, axis, cluster)
+                    continue
+                grad_comm += axis_collective_time("reduce_scatter", grad_b, config, axis, cluster)
+                gathers = 2 * m if config.zero_stage == 3 else 1  # re-gathered per micro-batch
+                param_comm += gathers * axis_collective_time("all_gather", param_b, config, axis,
+                                                             cluster)
         compute = fwd + bwd
-        # gradient reduction overlaps the backward of the last micro-batch, bucket by bucket;
-        # the last bucket (one block's share) is always exposed
-        overlap_window = bwd + (fwd if config.zero_stage == 3 else 0.0)
-        exposed = max(dp_comm - overlap_window, dp_comm / max(len(costs), 1))
+        overlap = device.efficiency.overlap
+        last = 1 / max(len(costs), 1)  # the last bucket / first gather is always exposed
+        exposed = max(grad_comm - bwd * overlap, grad_comm * last)
+        window = (fwd + bwd) * m if config.zero_stage == 3 else fwd * m
+        exposed += max(param_comm - window * overlap, param_comm * last)
+        dp_comm = grad_comm + param_comm
         stage_costs.append(StageCost((start, end), fwd + comm_fwd, bwd + comm_bwd, compute,
                                      comm_fwd + comm_bwd, dp_comm, exposed if train else 0.0, mem))
     step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],

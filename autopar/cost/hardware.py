@@ -17,6 +17,7 @@ A catalog file looks like::
         memory: 0.85              # elementwise / norm / view-copy bandwidth
         attention: 0.70
         comm: 0.80                # collectives' achieved share of link bandwidth
+        overlap: 1.0              # share of communication that can run under compute
     node:
       devices_per_node: 8
       intra_bandwidth: 300e9      # per device, one direction
@@ -54,6 +55,7 @@ class Efficiency:
     memory: float = 0.8
     attention: float = 0.6
     comm: float = 1.0  # achieved / link bandwidth for collectives
+    overlap: float = 1.0  # share of communication that can hide behind concurrent compute
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class Cluster:
     devices_per_node: int | None = None
     nodes: int | None = None
     node: NodeSpec | None = None
+    # measured intra-node (alpha s, beta B/s) per collective, from `autopar profile`
+    collective_fits: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.device, str):
@@ -112,6 +116,7 @@ class Cluster:
             object.__setattr__(self, "device", loaded.device)
             if self.node is None:
                 object.__setattr__(self, "node", loaded.node)
+                object.__setattr__(self, "collective_fits", loaded.collective_fits)
         if self.node is None:
             raise PlanError("Cluster needs a node description; load one from cost_models/")
         if self.devices_per_node is not None and self.devices_per_node != self.node.devices_per_node:
@@ -173,7 +178,11 @@ def parse_cluster(data: dict, where: str) -> Cluster:
         raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like 312e12") from None
     if "fp32" not in device.peak_flops:
         raise PlanError(f"{where}: peak_flops needs at least fp32")
-    return Cluster(device=device, node=node_spec)
+    fits = []
+    for kind, fit in sorted((data.get("collectives") or {}).items()):
+        if isinstance(fit, dict) and fit.get("alpha") is not None and fit.get("beta"):
+            fits.append((str(kind), float(fit["alpha"]), float(fit["beta"])))
+    return Cluster(device=device, node=node_spec, collective_fits=tuple(fits))
 
 
 def load_cluster(spec: str | Path | Cluster) -> Cluster:

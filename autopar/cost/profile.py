@@ -230,10 +230,11 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
     memory_bytes = float(torch.cuda.get_device_properties(dev).total_memory) if gpu else ram / nprocs
 
     fits: dict[str, dict] = {}
+    overlap = 1.0
     if nprocs >= 2:
         left = timeout_s - (time.perf_counter() - started)
-        fits = measure_collectives(nprocs, backend, plan["comm_sizes"], plan["comm_repeats"],
-                                   timeout_s=max(60.0, left))
+        fits, overlap = measure_collectives(nprocs, backend, plan["comm_sizes"],
+                                            plan["comm_repeats"], timeout_s=max(60.0, left))
         intra_bw, intra_lat = fits["all_reduce"]["beta"], fits["all_reduce"]["alpha"]
         comm_src = f"all_reduce alpha-beta fit over {nprocs} {backend} ranks (bus bandwidth)"
     else:  # nothing to exchange with: the host path stands in, the latency is the default
@@ -253,7 +254,7 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "memory_bandwidth": bandwidth,
             "efficiency": {"matmul": 1.0, "matmul_half_dim": half, "memory": 1.0,
                            "attention": min(1.0, attn / peak[attn_dtype]),
-                           **_comm_efficiency()},
+                           "comm": 1.0, "overlap": round(overlap, 3)},
         },
         "node": {
             "devices_per_node": torch.cuda.device_count() if gpu else nprocs,
@@ -272,6 +273,8 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "memory_bandwidth": "best of copy / add over a large tensor (efficiency.memory = 1.0)"
                                 + ("" if gpu else f", divided among {nprocs} processes"),
             "attention": f"sdpa {attn_dtype} rate / peak_flops.{attn_dtype}",
+            "overlap": "16 MB all_reduce run concurrently with matmuls: share of the shorter "
+                       "one hidden (1.0 when nothing to exchange with)",
             "memory_bytes": "cuda total_memory" if gpu else f"RAM / {nprocs} processes",
             "usable_fraction": "default, not measured",
             "intra_bandwidth": comm_src + "; achieved, so efficiency.comm = 1.0",
@@ -298,15 +301,6 @@ _MODELS = {"all_reduce": "2(n-1) alpha + 2(n-1)/n bytes/beta",
 
 class _Dumper(yaml.SafeDumper):
     pass
-
-
-def _comm_efficiency() -> dict[str, float]:
-    """``comm: 1.0`` where the loader knows the field: the fitted bandwidths are achieved ones."""
-    from dataclasses import fields
-
-    from autopar.cost.hardware import Efficiency
-
-    return {"comm": 1.0} if "comm" in {f.name for f in fields(Efficiency)} else {}
 
 
 def _cpu_model() -> str:

@@ -176,13 +176,53 @@ def _worker(rank: int, n: int, port: int, backend: str, sizes: list[int], repeat
                     median /= 2  # one way of the round trip
                 points[name].append((float(charged), median))
             del ops
+        overlap = _measure_overlap(dist, torch, device, sync)
         dist.barrier()
         if rank == 0:
-            results.put(("ok", points))
+            results.put(("ok", {**points, "_overlap": overlap}))
         dist.destroy_process_group()
     except Exception as exc:  # reported to the parent as one line
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         results.put(("error", f"rank {rank}: {last}"))
+
+
+def _measure_overlap(dist, torch, device, sync, repeats: int = 5) -> float:
+    """Share of a collective that hides behind concurrent compute: 1.0 where the two run on
+    separate engines (GPU SMs vs NCCL's), less where they share cores (CPU with gloo).
+
+    overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm), clamped to [0, 1].
+    """
+    a = torch.randn(512, 512, device=device)
+    buf = torch.ones(4 << 20, device=device)  # 16 MB fp32
+
+    def compute() -> None:
+        for _ in range(8):
+            a @ a
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    compute()
+    t_compute = timed(compute)
+    t_comm = timed(lambda: dist.all_reduce(buf))
+    t_both = timed(both)
+    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-9)
+    verdict = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return float(verdict.item())
 
 
 def check_nprocs(nprocs: int, backend: str) -> None:
@@ -197,10 +237,11 @@ def check_nprocs(nprocs: int, backend: str) -> None:
 
 
 def measure_collectives(nprocs: int, backend: str, sizes: list[int] | None = None,
-                        repeats: int = 5, timeout_s: float = 240.0) -> dict[str, dict]:
+                        repeats: int = 5, timeout_s: float = 240.0) -> tuple[dict[str, dict], float]:
     """Time the collectives on ``nprocs`` local ranks and fit alpha-beta per collective.
 
-    Returns ``{collective: {"collective", "alpha", "beta", "points": [[bytes, s], ...]}}``.
+    Returns ``({collective: {"collective", "alpha", "beta", "points": [[bytes, s], ...]}},
+    overlap)`` where overlap is the measured share of communication hidden by compute.
     Raises AutoparError if a rank fails or the whole run exceeds ``timeout_s``; every child
     process is gone when this returns or raises.
     """
@@ -248,5 +289,7 @@ def measure_collectives(nprocs: int, backend: str, sizes: list[int] | None = Non
                 proc.join(timeout=5)
         results.close()
         results.join_thread()
-    return {name: fit_alpha_beta(name, nprocs, [tuple(p) for p in pts])
+    overlap = payload.pop("_overlap")
+    fits = {name: fit_alpha_beta(name, nprocs, [tuple(p) for p in pts])
             for name, pts in payload.items()}
+    return fits, overlap
