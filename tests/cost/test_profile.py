@@ -67,6 +67,20 @@ def test_all_reduce_fit_predicts_large_message(profiled) -> None:
     assert abs(predicted - measured) / measured < 0.5, (predicted, measured, fit)
 
 
+@pytest.mark.dist
+def test_cost_model_uses_the_measured_fits_and_overlap(profiled) -> None:
+    from autopar.cost.comm import Link, axis_collective_time, ring_time
+    from autopar.cost.config import ParallelConfig
+
+    data, path = profiled
+    cluster = load_cluster(path)
+    assert 0.0 <= cluster.device.efficiency.overlap <= 1.0
+    fits = {kind: (alpha, beta) for kind, alpha, beta in cluster.collective_fits}
+    alpha, beta = fits["reduce_scatter"]
+    got = axis_collective_time("reduce_scatter", 8e6, ParallelConfig(dp=2), "dp", cluster)
+    assert got == pytest.approx(ring_time("reduce_scatter", 8e6, 2, Link(beta, alpha)))
+
+
 def test_fits_recover_known_parameters() -> None:
     alpha, beta, n = 5e-5, 2e9, 4
     points = [(b, 2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta) for b in
