@@ -1,13 +1,15 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
-Public surface (see docs/ and DESIGN.md): ``capture``, the error classes, and the ``ir`` module.
+Public surface (see docs/ and DESIGN.md): ``capture``, ``Cluster``, the error classes and the
+``ir`` module.
 """
 
 from autopar import ir
 from autopar.capture import capture
+from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "CaptureError", "InfeasibleError", "PlanError", "capture", "ir",
-           "__version__"]
+__all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "PlanError", "capture",
+           "ir", "__version__"]

@@ -45,6 +45,8 @@ class StageCost:
     dp_comm_s: float  # gradient / ZeRO communication per step, before overlap
     dp_exposed_s: float
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    host_bytes: float = 0.0  # offloaded state held in host memory for this device
+    offload_s: float = 0.0  # exposed host-link transfer time per step
 
 
 @dataclass
@@ -58,9 +60,12 @@ class Estimate:
     tokens_per_s: float
     optimizer_s: float
     offload_s: float
+    host_bytes_per_node: float = 0.0
 
-    def fits(self, capacity_bytes: float) -> bool:
-        return all(s.memory.total <= capacity_bytes for s in self.stages)
+    def fits(self, capacity_bytes: float, host_capacity_bytes: float = float("inf")) -> bool:
+        """Every device within ``capacity_bytes`` and the offloaded state within host memory."""
+        return (all(s.memory.total <= capacity_bytes for s in self.stages)
+                and self.host_bytes_per_node <= host_capacity_bytes)
 
 
 def _captured_batch(graph: Graph) -> int:
@@ -220,18 +225,15 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
                 mem.grads += states.grads
                 mem.optimizer += states.optimizer
             held = inflight_microbatches(config.schedule, config.pp, s, m, config.virtual_stages)
-            if "activations" in config.offload:
-                held = min(held, 1.0)
-            mem.activations = (sum(c.activation_bytes for c in costs) * held
+            on_device = min(held, 1.0) if "activations" in config.offload else held
+            mem.activations = (sum(c.activation_bytes for c in costs) * on_device
                                + max(c.recompute_peak_bytes for c in costs))
         else:
             mem.params = dense * config.param_bytes + expert * config.param_bytes
             mem.kv_cache = sum(c.kv_cache_bytes for c in costs)
             mem.activations = max(c.activation_bytes + c.recompute_peak_bytes for c in costs)
-        if "optimizer" in config.offload:
-            mem.optimizer = 0.0
-        if "params" in config.offload:
-            mem.params = max(c.dense_params + c.expert_params for c in costs) * config.param_bytes
+        host_bytes, offload_s = _offload(config, mem, costs, m, cluster, train,
+                                         held if train else 1.0)
         if train and config.zero_stage == 3:
             largest = max(c.dense_params + c.expert_params for c in costs)
             mem.buffers += 2 * largest * config.param_bytes  # gathered layer + prefetch
@@ -264,27 +266,55 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
         exposed += max(param_comm - window * overlap, param_comm * last)
         dp_comm = grad_comm + param_comm
         stage_costs.append(StageCost((start, end), fwd + comm_fwd, bwd + comm_bwd, compute,
-                                     comm_fwd + comm_bwd, dp_comm, exposed if train else 0.0, mem))
+                                     comm_fwd + comm_bwd, dp_comm, exposed if train else 0.0, mem,
+                                     host_bytes, offload_s))
     step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],
                                       [s.bwd_s for s in stage_costs], m, config.schedule,
                                       config.virtual_stages, p2p)
-    optimizer_s = offload_s = 0.0
+    optimizer_s = 0.0
     if train:
         worst = max(stage_costs, key=lambda s: s.memory.params + s.memory.optimizer)
         # AdamW reads and writes params, grads and states once
         state_bytes = worst.memory.params + worst.memory.grads + worst.memory.optimizer
         optimizer_s = 2 * state_bytes / (device.memory_bandwidth * device.efficiency.memory)
-        if "optimizer" in config.offload:
-            numel = state_bytes / max(config.param_bytes + config.grad_bytes, 1)
-            offload_s = numel * (config.grad_bytes + config.param_bytes) / cluster.node.host_bandwidth
-        if "activations" in config.offload:
-            acts = max(s.memory.activations for s in stage_costs)
-            offload_s += 2 * acts * m / cluster.node.host_bandwidth * 0.5  # half hidden by compute
+    offload_s = max(s.offload_s for s in stage_costs)
     step += max(s.dp_exposed_s for s in stage_costs) + optimizer_s + offload_s
     batch = config.global_batch
     tokens = batch * max(graph.tokens // _captured_batch(graph), 1)
     model_flops = graph.flops * batch / _captured_batch(graph) * (3 if train else 1)
     peak = device.flops_for(config.compute_dtype) * config.devices
     memory = max((s.memory for s in stage_costs), key=lambda mb: mb.total)
+    host = max(s.host_bytes for s in stage_costs) * cluster.devices_per_node
     return Estimate(step, bubble, stage_costs, memory, model_flops, model_flops / (step * peak),
-                    tokens / step, optimizer_s, offload_s)
+                    tokens / step, optimizer_s, offload_s, host)
+
+
+def _offload(config: ParallelConfig, mem: MemoryBreakdown, costs: list[BlockCost],
+             num_microbatches: int, cluster: Cluster, train: bool,
+             held: float) -> tuple[float, float]:
+    """Move offloaded state from ``mem`` to the host; return (host bytes, exposed seconds).
+
+    Optimizer offload (ZeRO-Offload): gradients go down and updated parameters come back once
+    per step. Parameter offload: every micro-batch streams the parameters up for the forward
+    and the backward. Activation offload (save_on_cpu): every saved activation goes down in the
+    forward and back in the backward. Streams hide behind compute as far as the device's
+    overlap allows (half at best: the first and last transfers are always exposed).
+    """
+    bandwidth = cluster.node.host_bandwidth
+    hidden = 0.5 * cluster.device.efficiency.overlap
+    host = seconds = 0.0
+    if train and "optimizer" in config.offload:
+        local = mem.optimizer / max(config.optimizer_bytes, 1)
+        host += mem.optimizer
+        seconds += local * (config.grad_bytes + config.param_bytes) / bandwidth
+        mem.optimizer = 0.0
+    if "params" in config.offload:
+        host += mem.params
+        streamed = mem.params * (2 if train else 1) * num_microbatches
+        mem.params = max(c.dense_params + c.expert_params for c in costs) * config.param_bytes
+        seconds += streamed / bandwidth * (1 - hidden)
+    if train and "activations" in config.offload:
+        stored = sum(c.activation_bytes for c in costs)
+        host += stored * max(held - 1.0, 0.0)
+        seconds += 2 * stored * num_microbatches / bandwidth * (1 - hidden)
+    return host, seconds

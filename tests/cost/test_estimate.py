@@ -10,6 +10,7 @@ import yaml
 import autopar
 from autopar.cost.config import ParallelConfig
 from autopar.cost.estimate import balanced_stages, estimate
+from autopar.cost.hardware import load_cluster
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "torchtitan_a100.yaml"
 MODELS = {"llama3_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama2_13b": "llama2-13b",
@@ -111,3 +112,16 @@ def test_offload_moves_optimizer_to_host(llama) -> None:
     off = _est(llama, dp=2, offload=frozenset({"optimizer"}))
     assert off.memory.optimizer == 0 and base.memory.optimizer > 0
     assert off.offload_s > 0
+    per_node = load_cluster("a100-80g").devices_per_node
+    assert off.host_bytes_per_node == pytest.approx(base.memory.optimizer * per_node)
+    assert off.fits(80e9) and not off.fits(80e9, host_capacity_bytes=1.0)
+
+
+def test_parameter_and_activation_offload(llama) -> None:
+    base = _est(llama, pp=2, num_microbatches=8)
+    params = _est(llama, pp=2, num_microbatches=8, offload=frozenset({"params"}))
+    acts = _est(llama, pp=2, num_microbatches=8, offload=frozenset({"activations"}))
+    assert params.memory.params < base.memory.params and params.offload_s > 0
+    first = 0  # the first 1F1B stage holds pp micro-batches; offload keeps one on the device
+    assert acts.stages[first].memory.activations < base.stages[first].memory.activations
+    assert acts.host_bytes_per_node > 0 and acts.step_time_s > base.step_time_s
