@@ -1,0 +1,29 @@
+"""The examples run as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(script: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *args],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_capture_llama_example() -> None:
+    out = run("capture_llama.py", "tiny-llama", "64")
+    assert "4 x transformer" in " ".join(out.split())
+    assert "q_proj" in out
+
+
+def test_estimate_llama_example() -> None:
+    out = run("estimate_llama.py")
+    lines = [ln for ln in out.splitlines() if "x 64" in ln or "TP" in ln]
+    assert len(lines) == 5
+    assert "DDP x 64, full recompute" in out and "NO" in out  # 128 GB of model states
