@@ -8,8 +8,10 @@ from autopar import ir
 from autopar.capture import capture
 from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
+from autopar.plan import Plan
+from autopar.search.api import plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "PlanError", "capture",
-           "ir", "__version__"]
+__all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "Plan", "PlanError",
+           "capture", "ir", "plan", "__version__"]

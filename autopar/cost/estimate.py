@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from autopar.cost.activations import block_activation_bytes, storage_root
@@ -14,6 +15,9 @@ from autopar.cost.pipeline import pipeline_step_time
 from autopar.cost.tp_layout import attention_core, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 
+# Block costs depend on the block's type and a few knobs only; a search asks for the same ones
+# thousands of times. Keyed weakly by graph so a dropped graph frees its entries.
+_BLOCK_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 DDP_BUCKET_BYTES = 2 * 25e6  # two 25 MB gradient buckets in flight (DDP's bucket_cap_mb default)
 _DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -186,6 +190,18 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                      acts.recompute_peak_bytes, kv, dense, expert, out_bytes)
 
 
+def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
+                      recompute: str) -> BlockCost:
+    """:func:`block_cost`, computed once per block type and the knobs it depends on."""
+    block = graph.blocks[index]
+    key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
+           config.microbatch_size, config.compute_dtype, cluster.cache_key)
+    by_type = _BLOCK_COSTS.setdefault(graph, {})
+    if key not in by_type:
+        by_type[key] = block_cost(graph, block, config, cluster, recompute)
+    return by_type[key]
+
+
 def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
              task: str = "train") -> Estimate:
     """Predict one optimizer step (train/finetune) or one forward pass (infer)."""
@@ -196,14 +212,8 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
     m = config.num_microbatches
     stage_costs: list[StageCost] = []
     p2p = 0.0
-    by_type: dict[tuple[int, str], BlockCost] = {}  # blocks of one type cost the same
-
     def cost_of(i: int) -> BlockCost:
-        block, mode = graph.blocks[i], config.recompute_of(i)
-        key = (block.type_id, mode)
-        if key not in by_type:
-            by_type[key] = block_cost(graph, block, config, cluster, mode)
-        return by_type[key]
+        return cached_block_cost(graph, i, config, cluster, config.recompute_of(i))
 
     for s, (start, end) in enumerate(stages):
         costs = [cost_of(i) for i in range(start, end)]

@@ -127,6 +127,15 @@ class Cluster:
     def name(self) -> str:
         return self.device.name  # type: ignore[union-attr]
 
+    @property
+    def cache_key(self) -> str:
+        """A content key for memoising costs (two equal clusters share it)."""
+        key = self.__dict__.get("_cache_key")
+        if key is None:
+            key = repr((self.device, self.node, self.collective_fits))
+            object.__setattr__(self, "_cache_key", key)
+        return key
+
     def with_devices(self, total: int) -> Cluster:
         """The same cluster sized to ``total`` devices (nodes rounded up)."""
         per = self.node.devices_per_node  # type: ignore[union-attr]

@@ -173,12 +173,12 @@ class Graph:
         return [op for op in self.ops if op.kind in kinds]
 
     # -- totals ---------------------------------------------------------------------------
-    @property
+    @cached_property
     def num_params(self) -> int:
         """Distinct parameter elements (tied weights counted once)."""
         return sum(p.numel for p in self.params.values())
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params.values())
 
@@ -186,7 +186,7 @@ class Graph:
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
-    @property
+    @cached_property
     def flops(self) -> int:
         """Forward FLOPs of one call with the captured inputs."""
         return sum(op.flops for op in self.ops)
@@ -195,7 +195,7 @@ class Graph:
     def bytes_moved(self) -> int:
         return sum(op.bytes_read + op.bytes_written for op in self.ops)
 
-    @property
+    @cached_property
     def tokens(self) -> int:
         """Batch x sequence of the first integer input (token ids), else the batch size."""
         for inp in self.inputs:

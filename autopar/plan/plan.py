@@ -1,0 +1,167 @@
+"""The Plan: the only thing that crosses from search to codegen. Versioned, YAML, hand-editable."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from autopar.errors import PlanError
+
+PLAN_VERSION = 1
+
+
+def _round(x: float) -> float:
+    """Six significant digits: readable, and stable across runs for byte-identical files."""
+    return float(f"{x:.6g}")
+
+
+@dataclass
+class Predicted:
+    """What the cost model predicts for the plan (on the most loaded device for memory)."""
+
+    step_time_s: float
+    memory: dict[str, float]  # params, grads, optimizer, activations, kv_cache, buffers, total
+    mfu: float
+    tokens_per_s: float
+    bubble_s: float = 0.0
+    host_bytes_per_node: float = 0.0
+    stages: list[dict] = field(default_factory=list)  # per stage: blocks, times, memory
+
+    def __getitem__(self, key: str) -> object:  # plan.predicted["mfu"] works too
+        return getattr(self, key)
+
+
+@dataclass
+class Plan:
+    """A parallel execution plan for one model on one cluster.
+
+    ``mesh`` maps ``pp``/``dp``/``tp``/``ep`` to degrees whose product is ``devices``;
+    ``recompute`` has one mode per block; ``stages`` are ``[start, end)`` block ranges.
+    """
+
+    model: dict  # source, parameter count, block names/types, captured input shapes
+    devices: int
+    cluster: str
+    task: str
+    global_batch: int
+    mesh: dict[str, int]
+    microbatch_size: int
+    num_microbatches: int
+    zero_stage: int
+    schedule: str
+    virtual_stages: int
+    sequence_parallel: bool
+    recompute: list[str]
+    offload: list[str]
+    stages: list[list[int]]
+    placements: dict  # params: FQN -> placement; nodes: per block type, node -> strategy
+    predicted: Predicted
+    alternatives: list[dict] = field(default_factory=list)
+    solver: dict = field(default_factory=dict)
+    memory_limit_bytes: float = 0.0
+    version: int = PLAN_VERSION
+
+    # -- persistence ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d = {"version": d.pop("version"), **d}
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as YAML atomically (a failure leaves no partial file)."""
+        path = Path(path)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None,
+                              width=100)
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
+                                   prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"# autopar plan (format version {PLAN_VERSION}); edit and re-run as you "
+                        f"like: codegen reads only this file\n")
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan file; a file of another version or an inconsistent edit is a PlanError."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {path}: {exc.strerror}; check the path") from None
+        except yaml.YAMLError as exc:
+            line = " ".join(str(exc).split())
+            raise PlanError(f"plan {path} is not valid YAML ({line}); fix the file or "
+                            f"re-plan") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: object, where: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{where} is not an autopar plan (not a mapping)")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"{where} has plan format version {version!r}, this autopar reads "
+                            f"version {PLAN_VERSION}; re-run `autopar compile` to re-plan")
+        data = dict(data)
+        try:
+            predicted = Predicted(**data.pop("predicted"))
+            plan = cls(predicted=predicted, **data)
+        except (TypeError, KeyError) as exc:
+            raise PlanError(f"{where}: missing or unknown field ({exc}); re-plan or restore "
+                            f"the field") from None
+        plan.validate(where)
+        return plan
+
+    def validate(self, where: str = "plan") -> None:
+        """Internal consistency: what a hand edit can break."""
+        mesh = self.mesh
+        if set(mesh) != {"pp", "dp", "tp", "ep"} or any(int(v) < 1 for v in mesh.values()):
+            raise PlanError(f"{where}: mesh must give pp, dp, tp, ep >= 1, got {mesh}")
+        product = mesh["pp"] * mesh["dp"] * mesh["tp"] * mesh["ep"]
+        if product != self.devices:
+            raise PlanError(f"{where}: mesh {mesh} covers {product} devices but devices is "
+                            f"{self.devices}; make pp*dp*tp*ep equal devices")
+        replicas = mesh["dp"] * mesh["ep"]
+        if self.microbatch_size * self.num_microbatches * replicas != self.global_batch:
+            raise PlanError(
+                f"{where}: microbatch_size {self.microbatch_size} x num_microbatches "
+                f"{self.num_microbatches} x dp*ep {replicas} != global_batch {self.global_batch}")
+        nblocks = len(self.model.get("blocks", self.recompute))
+        if len(self.recompute) != nblocks:
+            raise PlanError(f"{where}: recompute lists {len(self.recompute)} modes for "
+                            f"{nblocks} blocks; give one mode per block")
+        bad = sorted(set(self.recompute) - {"none", "selective", "full"})
+        if bad:
+            raise PlanError(f"{where}: unknown recompute mode(s) {bad}; use none, selective, full")
+        if len(self.stages) != mesh["pp"]:
+            raise PlanError(f"{where}: {len(self.stages)} stages for pp={mesh['pp']}")
+        expect = 0
+        for start, end in self.stages:
+            if start != expect or end <= start:
+                raise PlanError(f"{where}: stages {self.stages} must be contiguous, non-empty "
+                                f"[start, end) ranges from 0")
+            expect = end
+        if expect != nblocks:
+            raise PlanError(f"{where}: stages end at block {expect} but the model has {nblocks}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"{where}: zero_stage must be 0-3, got {self.zero_stage}")
+
+    # -- reading ----------------------------------------------------------------------------
+    def report(self, fmt: str = "text") -> str:
+        from autopar.plan.text_report import render
+
+        return render(self, fmt)
+
+    def __repr__(self) -> str:
+        return (f"Plan(mesh={self.mesh}, mb={self.microbatch_size}x{self.num_microbatches}, "
+                f"zero={self.zero_stage}, schedule={self.schedule}, "
+                f"step={self.predicted.step_time_s:.3g}s)")

@@ -1,0 +1,165 @@
+"""``autopar.plan``: capture (if needed), search, and package the result as a Plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from autopar.cost.config import ParallelConfig
+from autopar.cost.estimate import Estimate
+from autopar.cost.hardware import Cluster, load_cluster
+from autopar.cost.tp_layout import tp_layout
+from autopar.errors import PlanError
+from autopar.ir.graph import Graph, OpKind
+from autopar.plan.plan import Plan, Predicted, _round
+from autopar.search.constraints import load_constraints
+from autopar.search.planner import Progress, SearchResult, search
+from autopar.search.space import model_facts
+
+TASKS = ("train", "finetune", "infer")
+
+
+def plan(
+    model: nn.Module | str | Path | Graph,
+    example_inputs: object = None,
+    *,
+    devices: int,
+    cluster: str | Path | Cluster = "a100-80g",
+    task: str = "train",
+    global_batch: int | None = None,
+    constraints: dict | str | Path | None = None,
+    memory_limit_gb: float | None = None,
+    time_limit_s: float | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """Find the fastest plan for ``model`` on ``devices`` devices of ``cluster``.
+
+    ``model`` is anything :func:`autopar.capture` takes, or an already captured Graph.
+    ``global_batch`` is sequences per optimizer step (train/finetune) or concurrent sequences
+    (infer); it defaults to one per device. ``constraints`` pins parts of the plan (a dict, a
+    YAML file, a ``strategies/`` preset name, or ``"tp=8,pp=2"``). Raises
+    :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
+    """
+    if task not in TASKS:
+        raise PlanError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"devices must be a positive integer, got {devices!r}")
+    global_batch = devices if global_batch is None else global_batch
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
+    pins = load_constraints(constraints)
+    hw = load_cluster(cluster)
+    if isinstance(model, Graph):
+        graph = model
+    else:
+        from autopar.capture import capture
+
+        graph = capture(model, example_inputs)
+    capacity = (memory_limit_gb * 1e9 if memory_limit_gb is not None
+                else hw.device.usable_memory_bytes)
+    if capacity <= 0:
+        raise PlanError(f"memory_limit_gb must be positive, got {memory_limit_gb}")
+    defaults = {"trainable_fraction": 1.0}
+    facts = model_facts(graph)
+    result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
+                    time_limit_s=time_limit_s, progress=progress, defaults=defaults)
+    return build_plan(graph, hw, devices, task, global_batch, result, capacity)
+
+
+def _predicted(est: Estimate) -> Predicted:
+    stages = []
+    for s in est.stages:
+        stages.append({
+            "blocks": list(s.blocks), "fwd_s": _round(s.fwd_s), "bwd_s": _round(s.bwd_s),
+            "compute_s": _round(s.compute_s), "comm_s": _round(s.comm_s),
+            "dp_comm_s": _round(s.dp_comm_s), "dp_exposed_s": _round(s.dp_exposed_s),
+            "memory": {k: _round(v) for k, v in s.memory.as_dict().items()},
+        })
+    return Predicted(
+        step_time_s=_round(est.step_time_s),
+        memory={k: _round(v) for k, v in est.memory.as_dict().items()},
+        mfu=_round(est.mfu), tokens_per_s=_round(est.tokens_per_s), bubble_s=_round(est.bubble_s),
+        host_bytes_per_node=_round(est.host_bytes_per_node), stages=stages)
+
+
+def _config_summary(config: ParallelConfig, est: Estimate, best: Estimate) -> dict:
+    slower = (est.step_time_s - best.step_time_s) / best.step_time_s
+    modes = sorted(set(config.recompute)) if not isinstance(config.recompute, str) \
+        else [config.recompute]
+    return {
+        "mesh": {"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
+        "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
+        "zero_stage": config.zero_stage, "schedule": config.schedule,
+        "sequence_parallel": config.sequence_parallel, "recompute": modes,
+        "offload": sorted(config.offload), "step_time_s": _round(est.step_time_s),
+        "memory_total": _round(est.memory.total), "slower": _round(slower),
+    }
+
+
+def _placements(graph: Graph, config: ParallelConfig) -> dict:
+    params: dict[str, str] = {}
+    nodes: dict[str, dict[str, str]] = {}
+    zero = "+Shard(0)@dp" if config.zero_stage == 3 else ""
+    for block in graph.blocks:
+        layout = tp_layout(graph, block)
+        per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
+            else None
+        for name in block.nodes:
+            op = graph.op(name)
+            if op.kind is OpKind.MOE_EXPERT:
+                where = "Shard(0)@ep" if config.ep > 1 else "Replicate"
+            elif name in layout.column and config.tp > 1:
+                where = "Shard(0)@tp"  # output features split: column parallel
+            elif name in layout.row and config.tp > 1:
+                where = "Shard(1)@tp"  # input features split: row parallel
+            elif op.kind is OpKind.EMBEDDING and config.tp > 1:
+                where = "Shard(0)@tp"  # vocabulary split
+            else:
+                where = "Replicate"
+            for p in op.params:
+                if params.get(p, "Replicate") == "Replicate":
+                    params[p] = where + zero if where != "Replicate" or not zero else "Shard(0)@dp"
+            if per_node is not None:
+                if name in layout.column:
+                    per_node[name] = "column"
+                elif name in layout.row:
+                    per_node[name] = "row"
+                elif name in layout.sharded:
+                    per_node[name] = "split"
+    for p in graph.params:
+        params.setdefault(p, "Shard(0)@dp" if zero else "Replicate")
+    return {"params": dict(sorted(params.items())), "nodes_by_block_type": nodes}
+
+
+def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_batch: int,
+               result: SearchResult, capacity: float) -> Plan:
+    config, est = result.config, result.estimate
+    recompute = [config.recompute_of(i) for i in range(len(graph.blocks))]
+    model = {
+        "source": graph.source,
+        "params": graph.num_params,
+        "inputs": {i.name: list(i.meta.shape) for i in graph.inputs},
+        "blocks": [{"name": b.name, "type": b.type_id, "kind": b.kind} for b in graph.blocks],
+    }
+    if graph.model_config.get("model_type"):
+        model["model_type"] = graph.model_config["model_type"]
+    solver = {
+        "method": "exhaustive with lower-bound pruning; per-stage recompute by exact "
+                  "enumeration",
+        "bound_s": _round(result.bound_s), "gap": _round(result.gap),
+        "evaluated": result.evaluated, "pruned_by_bound": result.pruned_by_bound,
+        "rejected": dict(sorted(result.rejected.items())), "timed_out": result.timed_out,
+    }
+    return Plan(
+        model=model, devices=devices, cluster=cluster.name, task=task, global_batch=global_batch,
+        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
+        microbatch_size=config.microbatch_size, num_microbatches=config.num_microbatches,
+        zero_stage=config.zero_stage, schedule=config.schedule,
+        virtual_stages=config.virtual_stages, sequence_parallel=config.sequence_parallel,
+        recompute=recompute, offload=sorted(config.offload),
+        stages=[list(s) for s in (config.stages or ())],
+        placements=_placements(graph, config), predicted=_predicted(est),
+        alternatives=[_config_summary(c, e, est) for c, e in result.alternatives],
+        solver=solver, memory_limit_bytes=_round(capacity),
+    )

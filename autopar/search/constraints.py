@@ -1,0 +1,119 @@
+"""Constraints that pin parts of a plan: a dict, a YAML file, or a shipped preset name.
+
+Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, recompute
+("none" | "selective" | "full"), offload (list of optimizer / params / activations, or "none"),
+schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool).
+A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
+expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
+``recompute_config`` is translated to the same keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from autopar._paths import data_dir
+from autopar.cost.config import OFFLOADS, SCHEDULES
+from autopar.errors import PlanError
+
+INT_KEYS = ("pp", "dp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage")
+KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel")
+_IGNORED = ("name", "description")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in data_dir("strategies").glob("*.yaml"))
+
+
+def _from_mindformers(data: dict) -> dict:
+    pc = data.get("parallel_config") or {}
+    out: dict = {}
+    for src, dst in (("data_parallel", "dp"), ("model_parallel", "tp"),
+                     ("pipeline_stage", "pp"), ("expert_parallel", "ep"),
+                     ("micro_batch_num", "num_microbatches"),
+                     ("use_seq_parallel", "sequence_parallel")):
+        if src in pc:
+            out[dst] = pc[src]
+    if "optimizer_shard" in data:  # MindSpore's optimizer parallel is ZeRO-1
+        out["zero_stage"] = 1 if data["optimizer_shard"] else 0
+    rc = data.get("recompute_config") or {}
+    if rc:
+        if rc.get("select_recompute"):
+            out["recompute"] = "selective"
+        else:
+            out["recompute"] = "full" if rc.get("recompute") else "none"
+    if data.get("offload"):
+        out["offload"] = ["optimizer"]
+    return out
+
+
+def load_constraints(spec: dict | str | Path | None) -> dict:
+    """Validated pins from a dict, a YAML path, a preset name, or ``k=v,k=v`` text."""
+    if spec is None:
+        return {}
+    where = "constraints"
+    if isinstance(spec, (str, Path)):
+        text = str(spec)
+        path = Path(text)
+        preset = data_dir("strategies") / f"{text}.yaml"
+        if path.is_file() or preset.is_file():
+            where = str(path if path.is_file() else preset)
+            try:
+                data = yaml.safe_load(Path(where).read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise PlanError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") \
+                    from None
+        elif "=" in text:
+            data = {}
+            for item in text.split(","):
+                key, _, value = item.partition("=")
+                data[key.strip()] = yaml.safe_load(value.strip())
+        else:
+            raise PlanError(f"no constraints file or preset '{text}': use a YAML path, k=v pairs "
+                            f"(tp=8,pp=2) or a preset: {', '.join(preset_names())}")
+    else:
+        data = dict(spec)
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected a mapping of constraint keys")
+    if "parallel_config" in data:
+        data = {**{k: v for k, v in data.items() if k in KEYS}, **_from_mindformers(data)}
+    pins: dict = {}
+    for key, value in data.items():
+        if key in _IGNORED:
+            continue
+        if key not in KEYS:
+            raise PlanError(f"{where}: unknown constraint '{key}'; use {', '.join(KEYS)}")
+        pins[key] = _check(key, value, where)
+    return pins
+
+
+def _check(key: str, value: object, where: str) -> object:
+    if key in INT_KEYS:
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key ==
+                                                                              "zero_stage" else 1):
+            raise PlanError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if key == "zero_stage" and value > 3:
+            raise PlanError(f"{where}: zero_stage must be 0, 1, 2 or 3, got {value}")
+        return value
+    if key == "recompute":
+        if value not in ("none", "selective", "full"):
+            raise PlanError(f"{where}: recompute must be none, selective or full, got {value!r}")
+        return value
+    if key == "schedule":
+        if value not in SCHEDULES:
+            raise PlanError(f"{where}: schedule must be one of {', '.join(SCHEDULES)}, "
+                            f"got {value!r}")
+        return value
+    if key == "sequence_parallel":
+        if not isinstance(value, bool):
+            raise PlanError(f"{where}: sequence_parallel must be true or false")
+        return value
+    # offload
+    items = [] if value in (None, "none", False) else ([value] if isinstance(value, str)
+                                                       else list(value))
+    bad = [i for i in items if i not in OFFLOADS]
+    if bad:
+        raise PlanError(f"{where}: unknown offload {bad}; use {', '.join(OFFLOADS)} or none")
+    return tuple(sorted(items))

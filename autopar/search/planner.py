@@ -1,0 +1,332 @@
+"""Exhaustive search with lower-bound pruning over the plan space, exact under the cost model.
+
+Candidates (mesh x micro-batch x sequence parallel x ZeRO stage x schedule x offload) are
+ordered by a lower bound on their step time: the compute and tensor/expert-parallel
+communication of one step, with no recompute, spread perfectly over the pipeline stages. They
+are evaluated in that order (stage partition, then the cheapest per-block recompute that fits
+memory, then the full cost model) until the next lower bound is no better than the best plan
+found: everything after it is provably no better. The bound and gap are reported; with
+``time_limit_s`` the search stops early and reports the gap it proved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from autopar.cost.config import ParallelConfig
+from autopar.cost.estimate import Estimate, balanced_stages, cached_block_cost, estimate
+from autopar.cost.hardware import Cluster
+from autopar.cost.memory import inflight_microbatches
+from autopar.errors import InfeasibleError
+from autopar.ir.graph import Graph
+from autopar.search.recompute import MODES, ModeCost, choose_recompute
+from autopar.search.space import (
+    OFFLOAD_CHOICES,
+    SCHEDULES_PP,
+    Mesh,
+    ModelFacts,
+    divisors,
+    legal_meshes,
+)
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass(order=True)
+class Candidate:
+    lower_bound_s: float
+    tie: tuple  # deterministic preference among equal bounds: simpler plans first
+    config: ParallelConfig = field(compare=False)
+
+
+@dataclass
+class SearchResult:
+    config: ParallelConfig
+    estimate: Estimate
+    alternatives: list[tuple[ParallelConfig, Estimate]]
+    bound_s: float
+    gap: float
+    evaluated: int
+    pruned_by_bound: int
+    rejected: dict[str, int]
+    search_time_s: float
+    timed_out: bool
+
+
+def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
+                 schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """No step can be faster: the work of one micro-batch, W, split evenly over p stages, run
+    m times, plus the schedule's fill and drain on the even split, (p - 1) W / p x phi
+    (phi = 1, 1/v interleaved, f/(f+b) zero-bubble). With stage times t_i summing to W the
+    step is at least m max(t) + (W - max(t)) phi, smallest at max(t) = W / p."""
+    fwd = total = 0.0
+    for i in range(len(graph.blocks)):
+        c = cached_block_cost(graph, i, config, cluster, "none")
+        fwd += c.fwd_s
+        total += c.fwd_s + c.tp_comm_s + c.ep_comm_s + (c.bwd_s if train else 0.0)
+    p, m = config.pp, config.num_microbatches
+    phi = 1.0
+    if schedule == "interleaved":
+        phi = 1 / virtual_stages
+    elif schedule == "zero_bubble":
+        phi = fwd / total if total else 1.0
+    return total / p * (m + (p - 1) * phi)
+
+
+def _state_bytes_lower_bound(graph: Graph, config: ParallelConfig, train: bool) -> float:
+    """Model states on the most loaded device can be no less than an even split."""
+    numel = graph.num_params / (config.tp * config.pp * config.ep)
+    replicas = config.dp * config.ep
+    p, g, o = config.param_bytes, config.grad_bytes, config.optimizer_bytes
+    if not train:
+        g = o = 0
+    if config.zero_stage >= 1:
+        o /= replicas
+    if config.zero_stage >= 2:
+        g /= replicas
+    if config.zero_stage >= 3:
+        p /= replicas
+    if "optimizer" in config.offload:
+        o = 0
+    if "params" in config.offload:
+        p = 0
+    return numel * (p + g + o)
+
+
+def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
+               global_batch: int, pins: dict, allow_cross_node_tp: bool,
+               rejected: dict[str, int], defaults: dict) -> list[Candidate]:
+    out: list[Candidate] = []
+    meshes = legal_meshes(facts, devices, global_batch, cluster.devices_per_node, pins,
+                          allow_cross_node_tp)
+    for mesh in meshes:
+        replica_batch = global_batch // (mesh.dp * mesh.ep)
+        for mb in divisors(replica_batch):
+            m = replica_batch // mb
+            if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
+                continue
+            for sp in ((False, True) if mesh.tp > 1 else (False,)):
+                if pins.get("sequence_parallel", sp) != sp:
+                    continue
+                base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                      sequence_parallel=sp, microbatch_size=mb,
+                                      num_microbatches=m, **defaults)
+                out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
+                                          rejected))
+    out.sort()
+    return out
+
+
+def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: Mesh,
+                   facts: ModelFacts, task: str, pins: dict, rejected: dict[str, int]
+                   ) -> list[Candidate]:
+    train = task != "infer"
+    replicas = mesh.dp * mesh.ep
+    zeros = (0, 1, 2, 3) if train and replicas > 1 else (0,)
+    if mesh.pp == 1:
+        schedules = [("1f1b", 1)]
+    else:
+        schedules = []
+        for name in SCHEDULES_PP:
+            if name == "interleaved":
+                if base.num_microbatches % mesh.pp or facts.blocks < 2 * mesh.pp:
+                    continue
+                schedules.append((name, 2))
+            else:
+                schedules.append((name, 1))
+    offloads = OFFLOAD_CHOICES if train else ((), ("params",))
+    out = []
+    for zero in zeros:
+        if pins.get("zero_stage", zero) != zero:
+            continue
+        for si, (schedule, v) in enumerate(schedules):
+            if pins.get("schedule", schedule) != schedule and mesh.pp > 1:
+                continue
+            lb = _lower_bound(graph, cluster, base, train, schedule, v)
+            for oi, offload in enumerate(offloads):
+                if "offload" in pins and tuple(sorted(pins["offload"])) != offload:
+                    continue
+                config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
+                                 offload=frozenset(offload))
+                tie = (oi, zero, si, int(base.sequence_parallel), mesh.pp, mesh.tp, mesh.ep,
+                       base.microbatch_size)
+                out.append(Candidate(lb, tie, config))
+    if not out:
+        rejected["pinned"] = rejected.get("pinned", 0) + 1
+    return out
+
+
+def fit_recompute(graph: Graph, cluster: Cluster, config: ParallelConfig, capacity: float,
+                  host_capacity: float, task: str, pinned: str | None
+                  ) -> tuple[Estimate | None, float]:
+    """The cheapest per-block recompute that fits ``capacity``.
+
+    Returns (estimate or None when nothing fits, the least memory any recompute choice needs).
+    Full recompute is tried first: it stores the least, so when it does not fit nothing does.
+    """
+    train = task != "infer"
+    if pinned is not None or not train:
+        est = estimate(graph, cluster, replace(config, recompute=pinned or "none"), task)
+        return (est if est.fits(capacity, host_capacity) else None), est.memory.total
+    lean = estimate(graph, cluster, replace(config, recompute="full"), task)
+    if not lean.fits(capacity, host_capacity):
+        return None, lean.memory.total
+    est = estimate(graph, cluster, replace(config, recompute="none"), task)
+    if est.fits(capacity, host_capacity):
+        return est, lean.memory.total
+    modes: list[str] = ["none"] * len(graph.blocks)
+    for s, stage in enumerate(est.stages):
+        start, end = stage.blocks
+        static = stage.memory.total - stage.memory.activations
+        held = inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
+                                     config.virtual_stages)
+        if "activations" in config.offload:
+            held = min(held, 1.0)
+        by_type: dict[int, list[int]] = {}
+        for i in range(start, end):
+            by_type.setdefault(graph.blocks[i].type_id, []).append(i)
+        types = []
+        for indices in by_type.values():
+            costs = []
+            for mode in MODES:
+                c = cached_block_cost(graph, indices[0], config, cluster, mode)
+                costs.append(ModeCost(c.activation_bytes, c.recompute_peak_bytes, c.recompute_s))
+            types.append((len(indices), costs))
+        chosen = choose_recompute(types, static, held, capacity)
+        if chosen is None:
+            return lean, lean.memory.total  # cannot happen when all-full fits; keep it valid
+        for indices, counts in zip(by_type.values(), chosen[0], strict=True):
+            at = 0
+            for mode in ("full", "selective", "none"):  # deterministic: earliest blocks first
+                for i in indices[at:at + counts.get(mode, 0)]:
+                    modes[i] = mode
+                at += counts.get(mode, 0)
+    est = estimate(graph, cluster, replace(config, recompute=tuple(modes)), task)
+    return (est if est.fits(capacity, host_capacity) else lean), lean.memory.total
+
+
+def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
+           global_batch: int, pins: dict, capacity: float, time_limit_s: float | None = None,
+           progress: Progress | None = None, keep: int = 5,
+           defaults: dict | None = None) -> SearchResult:
+    """Best plan under the cost model; raises InfeasibleError when nothing fits.
+
+    ``pins`` fixes any of pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage,
+    recompute, offload, schedule, sequence_parallel; ``defaults`` sets the remaining
+    ParallelConfig fields (compute dtype, bytes per state, trainable fraction).
+    """
+    started = time.perf_counter()
+    train = task != "infer"
+    host_capacity = cluster.node.host_memory_bytes
+    pinned_recompute = pins.get("recompute")
+    rejected: dict[str, int] = {}
+    result = None
+    for cross_node in (False, True):
+        cands = candidates(graph, facts, cluster, devices, task, global_batch, pins, cross_node,
+                           rejected, defaults or {})
+        stages_of: dict[int, tuple[tuple[int, int], ...]] = {}
+        best: tuple[ParallelConfig, Estimate] | None = None
+        found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
+        evaluated = pruned = 0
+        leanest: tuple[float, ParallelConfig] | None = None
+        bound = float("inf")
+        timed_out = False
+        for k, cand in enumerate(cands):
+            if best is not None and cand.lower_bound_s >= best[1].step_time_s:
+                pruned = len(cands) - k
+                bound = best[1].step_time_s
+                break
+            if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+                timed_out = True
+                bound = cand.lower_bound_s
+                pruned = len(cands) - k
+                break
+            if progress and k % 64 == 0:
+                progress(k / max(len(cands), 1), f"{k}/{len(cands)} candidates")
+            config = cand.config
+            floor = _state_bytes_lower_bound(graph, config, train)
+            if floor > capacity:
+                rejected["memory"] = rejected.get("memory", 0) + 1
+                if leanest is None or floor < leanest[0]:
+                    leanest = (floor, config)
+                continue
+            if config.pp not in stages_of:
+                stages_of[config.pp] = balanced_stages(graph, config.pp)
+            config = replace(config, stages=stages_of[config.pp])
+            evaluated += 1
+            est, least = fit_recompute(graph, cluster, config, capacity, host_capacity, task,
+                                       pinned_recompute)
+            if est is None:
+                rejected["memory"] = rejected.get("memory", 0) + 1
+                if leanest is None or least < leanest[0]:
+                    leanest = (least, config)
+                continue
+            found.append((est.step_time_s, cand.tie, config, est))
+            if best is None or est.step_time_s < best[1].step_time_s:
+                best = (found[-1][2], est)
+        else:
+            bound = best[1].step_time_s if best is not None else float("inf")
+        if best is not None:
+            found.sort(key=lambda f: (f[0], f[1]))
+            alternatives = _distinct_alternatives(found, best[0], keep)
+            gap = max(0.0, (best[1].step_time_s - bound) / best[1].step_time_s)
+            result = SearchResult(best[0], best[1], alternatives, min(bound, best[1].step_time_s),
+                                  gap, evaluated, pruned, rejected,
+                                  time.perf_counter() - started, timed_out)
+            break
+        if not any(facts.tp_ok(t) for t in divisors(devices) if t > cluster.devices_per_node):
+            break  # no wider tensor-parallel degree to try across nodes
+    if result is None:
+        raise InfeasibleError(_infeasible_message(graph, facts, cluster, devices, capacity,
+                                                  leanest, rejected, global_batch))
+    if progress:
+        progress(1.0, "done")
+    return result
+
+
+def _distinct_alternatives(found: list, best: ParallelConfig, keep: int
+                           ) -> list[tuple[ParallelConfig, Estimate]]:
+    """Runner-ups that differ in mesh, ZeRO stage, schedule or offload (not just batching)."""
+    seen = {_shape(best)}
+    out = []
+    for _, _, config, est in found:
+        key = _shape(config)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((config, est))
+        if len(out) >= keep:
+            break
+    return out
+
+
+def _shape(c: ParallelConfig) -> tuple:
+    return (c.pp, c.dp, c.tp, c.ep, c.zero_stage, c.schedule, tuple(sorted(c.offload)))
+
+
+def _infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
+                        capacity: float, leanest: tuple | None, rejected: dict,
+                        global_batch: int) -> str:
+    gb = capacity / 1e9
+    if leanest is None:
+        reasons = []
+        if not any(facts.tp_ok(t) for t in divisors(devices) if t > 1) and devices > 1:
+            reasons.append(f"no tensor-parallel degree divides heads {facts.heads}")
+        return (f"no legal plan for {devices} devices and global batch {global_batch}: "
+                f"{'; '.join(reasons) or 'every mesh is ruled out by divisibility or pins'}; "
+                f"use a global batch divisible by the data-parallel degree, another device "
+                f"count, or fewer constraints")
+    need, config = leanest
+    biggest = max(graph.blocks, key=lambda b: b.param_bytes)
+    layer_gb = biggest.param_numel * 16 / 1e9  # mixed-precision Adam on one device
+    tp_needed = next((t for t in divisors(devices) if facts.tp_ok(t)
+                      and layer_gb / t <= gb * 0.5), None)
+    hint = (f"the largest block ({biggest.name}) alone needs {layer_gb:.1f} GB of weights, "
+            f"gradients and Adam states per device without sharding")
+    way_out = (f"use at least tp={tp_needed}, ZeRO-3, offload, or more devices"
+               if tp_needed else "use more devices or a device with more memory")
+    return (f"no plan fits {gb:.1f} GB per device on {devices} x {cluster.name}: the leanest "
+            f"candidate (pp={config.pp} dp={config.dp} tp={config.tp} ep={config.ep}, ZeRO-"
+            f"{config.zero_stage}, full recompute) needs {need / 1e9:.1f} GB; {hint}; {way_out}")

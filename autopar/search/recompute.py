@@ -1,0 +1,76 @@
+"""Per-block recompute under a stage's memory budget, exactly.
+
+Within a stage, blocks of one type are interchangeable, so a choice is how many blocks of each
+type run with each mode. Memory is ``static + held x sum(activations) + max(recompute peaks)``
+and the cost is the sum of recompute times; every count vector is enumerated (vectorised) and
+the cheapest one that fits is taken. Minimising each stage's recompute time minimises the step
+time too, since step time grows with every stage's time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MODES = ("none", "selective", "full")
+MAX_COMBINATIONS = 4_000_000
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    activation_bytes: float  # stored per micro-batch
+    peak_bytes: float  # transient while the block's backward recomputes
+    recompute_s: float
+
+
+def _count_vectors(n: int, modes: int) -> np.ndarray:
+    """All (c_0, ..., c_{modes-1}) >= 0 summing to n, most 'none' first."""
+    if modes == 1:
+        return np.array([[n]])
+    rows = []
+    for first in range(n, -1, -1):
+        for rest in _count_vectors(n - first, modes - 1):
+            rows.append([first, *rest])
+    return np.array(rows)
+
+
+def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: float, held: float,
+                     capacity_bytes: float, allowed: tuple[str, ...] = MODES
+                     ) -> tuple[list[dict[str, int]], float] | None:
+    """Counts per mode for each (count, per-mode costs) type, or None if nothing fits.
+
+    Returns ([{mode: count} per type], recompute seconds).
+    """
+    idx = [MODES.index(m) for m in allowed]
+    mem = np.zeros(1)
+    time = np.zeros(1)
+    peak = np.zeros(1)
+    picks: list[np.ndarray] = []  # per type: option index of every combination
+    options_per_type = []
+    for count, costs in types:
+        opts = _count_vectors(count, len(idx))
+        a = np.array([costs[i].activation_bytes for i in idx])
+        p = np.array([costs[i].peak_bytes for i in idx])
+        r = np.array([costs[i].recompute_s for i in idx])
+        o_mem = opts @ a
+        o_time = opts @ r
+        o_peak = np.where(opts > 0, p[None, :], 0.0).max(axis=1)
+        if len(mem) * len(opts) > MAX_COMBINATIONS:
+            return None
+        mem = (mem[:, None] + o_mem[None, :]).ravel()
+        time = (time[:, None] + o_time[None, :]).ravel()
+        peak = np.maximum(peak[:, None], o_peak[None, :]).ravel()
+        picks = [np.repeat(pk, len(opts)) for pk in picks]
+        picks.append(np.tile(np.arange(len(opts)), len(mem) // len(opts)))
+        options_per_type.append(opts)
+    total = static_bytes + held * mem + peak
+    feasible = np.flatnonzero(total <= capacity_bytes)
+    if feasible.size == 0:
+        return None
+    best = feasible[np.argmin(time[feasible])]  # argmin takes the first (most "none") tie
+    chosen = []
+    for opts, pk in zip(options_per_type, picks, strict=True):
+        vec = opts[pk[best]]
+        chosen.append({allowed[j]: int(vec[j]) for j in range(len(idx)) if vec[j]})
+    return chosen, float(time[best])

@@ -1,0 +1,106 @@
+"""The search space: legal meshes and knobs, read off the graph (never the model's name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.activations import storage_root
+from autopar.cost.tp_layout import tp_layout
+from autopar.ir.graph import Graph, OpKind
+
+SCHEDULES_PP = ("1f1b", "interleaved", "zero_bubble", "gpipe")
+OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
+    (), ("optimizer",), ("activations", "optimizer"), ("optimizer", "params"),
+    ("activations", "optimizer", "params"))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What legality depends on, from the graph."""
+
+    blocks: int
+    layers: int
+    heads: tuple[int, ...]  # every attention's query heads and key/value heads
+    split_dims: tuple[int, ...]  # feature sizes a tensor-parallel split must divide
+    experts: int  # 0 for a dense model
+    batch: int  # captured batch
+    seq: int
+
+    def tp_ok(self, tp: int) -> bool:
+        return all(h % tp == 0 for h in self.heads) and all(d % tp == 0 for d in self.split_dims)
+
+    def ep_ok(self, ep: int) -> bool:
+        return ep == 1 or (self.experts > 0 and self.experts % ep == 0)
+
+
+def model_facts(graph: Graph) -> ModelFacts:
+    heads: set[int] = set()
+    dims: set[int] = set()
+    experts = 0
+    for op in graph.ops:
+        if op.kind is OpKind.ATTENTION and len(op.input_meta) >= 3 and \
+                len(op.input_meta[0].shape) == 4:
+            heads.add(op.input_meta[0].shape[1])
+            for i in (1, 2):  # key/value heads before any grouped-query repetition
+                root = storage_root(graph, op.inputs[i])
+                meta = graph.op(root).output_meta[0] if root in graph._by_name else op.input_meta[i]
+                if len(meta.shape) == 4:
+                    heads.add(meta.shape[1])
+        if op.kind is OpKind.MOE_EXPERT:
+            for p in op.params:
+                shape = graph.params[p].shape if p in graph.params else ()
+                if len(shape) == 3:
+                    experts = max(experts, shape[0])
+    for block in graph.blocks:
+        layout = tp_layout(graph, block)
+        for name in layout.column:
+            dims.add(graph.op(name).output_meta[0].shape[-1])
+        for name in layout.row:
+            dims.add(graph.op(name).input_meta[0].shape[-1])
+    if experts == 0:  # experts as a ModuleList: count distinct indices under "experts"
+        idx = {p.split(".experts.")[1].split(".")[0] for p in graph.params if ".experts." in p}
+        experts = len([i for i in idx if i.isdigit()])
+    first = graph.inputs[0].meta.shape if graph.inputs else (1, 1)
+    return ModelFacts(
+        blocks=len(graph.blocks), layers=len(graph.layer_blocks) or len(graph.blocks),
+        heads=tuple(sorted(heads)), split_dims=tuple(sorted(dims)), experts=experts,
+        batch=first[0] if first else 1, seq=first[1] if len(first) > 1 else 1,
+    )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}
+
+
+def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per_node: int,
+                 pins: dict, allow_cross_node_tp: bool = False) -> list[Mesh]:
+    """Every pp x dp x tp x ep = devices that the model and batch allow (and pins keep)."""
+    out = []
+    for tp in divisors(devices):
+        if not facts.tp_ok(tp) or (tp > devices_per_node and not allow_cross_node_tp):
+            continue
+        for pp in divisors(devices // tp):
+            if pp > facts.blocks:
+                continue
+            for ep in divisors(devices // (tp * pp)):
+                if not facts.ep_ok(ep):
+                    continue
+                dp = devices // (tp * pp * ep)
+                if global_batch % (dp * ep):
+                    continue
+                mesh = Mesh(pp, dp, tp, ep)
+                if all(getattr(mesh, k) == v for k, v in pins.items() if k in ("pp", "dp", "tp",
+                                                                                "ep")):
+                    out.append(mesh)
+    return out
