@@ -18,6 +18,7 @@ parallelism divides the rest too. Recompute modes:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
@@ -62,14 +63,20 @@ def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
     return op.input_meta[i].nbytes if i < len(op.input_meta) else 0
 
 
+_GRAD_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def requires_grad(graph: Graph) -> set[str]:
     """Ops whose outputs depend on a trainable parameter (so autograd records them)."""
+    if graph in _GRAD_OPS:
+        return _GRAD_OPS[graph]
     out: set[str] = set()
     for op in graph.ops:
         if any(graph.params.get(p) is not None and graph.params[p].trainable for p in op.params):
             out.add(op.name)
         elif any(src in out for src in op.inputs):
             out.add(op.name)
+    _GRAD_OPS[graph] = out
     return out
 
 

@@ -75,24 +75,64 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
     return total / p * (m + (p - 1) * phi)
 
 
-def _state_bytes_lower_bound(graph: Graph, config: ParallelConfig, train: bool) -> float:
-    """Model states on the most loaded device can be no less than an even split."""
-    numel = graph.num_params / (config.tp * config.pp * config.ep)
-    replicas = config.dp * config.ep
-    p, g, o = config.param_bytes, config.grad_bytes, config.optimizer_bytes
-    if not train:
-        g = o = 0
-    if config.zero_stage >= 1:
-        o /= replicas
-    if config.zero_stage >= 2:
-        g /= replicas
-    if config.zero_stage >= 3:
-        p /= replicas
+def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train: bool
+                  ) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes that some device holds at least: the model states
+    split as evenly as the mesh allows, before offload."""
+    dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
+    experts = facts.expert_params / (config.ep * config.pp)
+    out = [0.0, 0.0, 0.0]
+    for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
+        p, g = float(config.param_bytes), float(config.grad_bytes)
+        o = float(config.optimizer_bytes) * config.trainable_fraction
+        if not train:
+            g = o = 0.0
+        if config.zero_stage >= 1:
+            o /= replicas
+        if config.zero_stage >= 2:
+            g /= replicas
+        if config.zero_stage >= 3:
+            p /= replicas
+        out[0] += numel * p
+        out[1] += numel * g * config.trainable_fraction
+        out[2] += numel * o
+    return out[0], out[1], out[2]
+
+
+def _memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                        config: ParallelConfig, train: bool) -> float:
+    """No device of this candidate needs less: the states floor (less what is offloaded) plus a
+    1/pp share of the activations every block keeps even under full recompute."""
+    params, grads, optimizer = _states_floor(graph, facts, config, train)
     if "optimizer" in config.offload:
-        o = 0
+        optimizer = 0.0
     if "params" in config.offload:
-        p = 0
-    return numel * (p + g + o)
+        params = 0.0
+    total = params + grads + optimizer
+    if train:
+        lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes
+                   for i in range(len(graph.blocks)))
+        total += lean / config.pp
+    return total
+
+
+def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                             config: ParallelConfig, train: bool) -> float:
+    """The optimizer update and the optimizer/parameter offload streams, from the states floor
+    (the same formulas as the cost model, on the least any device holds)."""
+    if not train:
+        return 0.0
+    params, grads, optimizer = _states_floor(graph, facts, config, train)
+    device = cluster.device
+    on_device = params + grads + (0.0 if "optimizer" in config.offload else optimizer)
+    seconds = 2 * on_device / (device.memory_bandwidth * device.efficiency.memory)
+    if "optimizer" in config.offload:
+        local = optimizer / max(config.optimizer_bytes, 1)
+        seconds += local * (config.grad_bytes + config.param_bytes) / cluster.node.host_bandwidth
+    if "params" in config.offload:
+        hidden = 0.5 * device.efficiency.overlap
+        seconds += params * 2 * config.num_microbatches / cluster.node.host_bandwidth * (1 - hidden)
+    return seconds
 
 
 def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
@@ -150,9 +190,10 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
                                  offload=frozenset(offload))
+                bound = lb + _update_time_lower_bound(graph, facts, cluster, config, train)
                 tie = (oi, zero, si, int(base.sequence_parallel), mesh.pp, mesh.tp, mesh.ep,
                        base.microbatch_size)
-                out.append(Candidate(lb, tie, config))
+                out.append(Candidate(bound, tie, config))
     if not out:
         rejected["pinned"] = rejected.get("pinned", 0) + 1
     return out
@@ -246,7 +287,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             if progress and k % 64 == 0:
                 progress(k / max(len(cands), 1), f"{k}/{len(cands)} candidates")
             config = cand.config
-            floor = _state_bytes_lower_bound(graph, config, train)
+            floor = _memory_lower_bound(graph, facts, cluster, config, train)
             if floor > capacity:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 if leanest is None or floor < leanest[0]:

@@ -10,6 +10,7 @@ time too, since step time grows with every stage's time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class ModeCost:
     recompute_s: float
 
 
+@lru_cache(maxsize=1024)
 def _count_vectors(n: int, modes: int) -> np.ndarray:
     """All (c_0, ..., c_{modes-1}) >= 0 summing to n, most 'none' first."""
     if modes == 1:
@@ -32,7 +34,9 @@ def _count_vectors(n: int, modes: int) -> np.ndarray:
     for first in range(n, -1, -1):
         for rest in _count_vectors(n - first, modes - 1):
             rows.append([first, *rest])
-    return np.array(rows)
+    out = np.array(rows)
+    out.setflags(write=False)
+    return out
 
 
 def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: float, held: float,

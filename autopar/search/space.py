@@ -23,6 +23,7 @@ class ModelFacts:
     heads: tuple[int, ...]  # every attention's query heads and key/value heads
     split_dims: tuple[int, ...]  # feature sizes a tensor-parallel split must divide
     experts: int  # 0 for a dense model
+    expert_params: int  # parameter elements inside experts (split by ep, not tp)
     batch: int  # captured batch
     seq: int
 
@@ -60,10 +61,15 @@ def model_facts(graph: Graph) -> ModelFacts:
     if experts == 0:  # experts as a ModuleList: count distinct indices under "experts"
         idx = {p.split(".experts.")[1].split(".")[0] for p in graph.params if ".experts." in p}
         experts = len([i for i in idx if i.isdigit()])
+    expert_numel = sum(graph.params[p].numel for p in {p for op in graph.ops
+                                                         if op.kind is OpKind.MOE_EXPERT
+                                                         for p in op.params}
+                       if p in graph.params)
     first = graph.inputs[0].meta.shape if graph.inputs else (1, 1)
     return ModelFacts(
         blocks=len(graph.blocks), layers=len(graph.layer_blocks) or len(graph.blocks),
         heads=tuple(sorted(heads)), split_dims=tuple(sorted(dims)), experts=experts,
+        expert_params=expert_numel,
         batch=first[0] if first else 1, seq=first[1] if len(first) > 1 else 1,
     )
 
