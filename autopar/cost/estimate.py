@@ -51,6 +51,7 @@ class StageCost:
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     host_bytes: float = 0.0  # offloaded state held in host memory for this device
     offload_s: float = 0.0  # exposed host-link transfer time per step
+    weight_grad_s: float = 0.0  # weight-gradient share of the backward (zero-bubble defers it)
 
 
 @dataclass
@@ -271,16 +272,21 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
         compute = fwd + bwd
         overlap = device.efficiency.overlap
         last = 1 / max(len(costs), 1)  # the last bucket / first gather is always exposed
-        exposed = max(grad_comm - bwd * overlap, grad_comm * last)
-        window = (fwd + bwd) * m if config.zero_stage == 3 else fwd * m
+        # overlap windows are the plain forward/backward: recompute must never look like it
+        # hides communication (it only lengthens the critical path)
+        base_bwd = sum(c.bwd_s for c in costs) if train else 0.0
+        exposed = max(grad_comm - base_bwd * overlap, grad_comm * last)
+        window = (fwd + base_bwd) * m if config.zero_stage == 3 else fwd * m
         exposed += max(param_comm - window * overlap, param_comm * last)
         dp_comm = grad_comm + param_comm
         stage_costs.append(StageCost((start, end), fwd + comm_fwd, bwd + comm_bwd, compute,
                                      comm_fwd + comm_bwd, dp_comm, exposed if train else 0.0, mem,
-                                     host_bytes, offload_s))
+                                     host_bytes, offload_s,
+                                     sum(c.bwd_s for c in costs) / 2 if train else 0.0))
     step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],
                                       [s.bwd_s for s in stage_costs], m, config.schedule,
-                                      config.virtual_stages, p2p)
+                                      config.virtual_stages, p2p,
+                                      [s.weight_grad_s for s in stage_costs])
     optimizer_s = 0.0
     if train:
         worst = max(stage_costs, key=lambda s: s.memory.params + s.memory.optimizer)

@@ -5,8 +5,9 @@ With p stages, m micro-batches, stage times f_i + b_i, bottleneck T = max_i(f_i 
 - GPipe and 1F1B: (m - 1) T + sum_i(f_i + b_i): the fill and drain (the bubble) is the sum of
   the other stages' times; 1F1B has GPipe's time with less memory;
 - interleaved 1F1B with v chunks per device: m T + (sum_i - T) / v (Narayanan et al. 2021);
-- zero-bubble ZB-H1 (Qi et al. 2024): backward split into input-grad B and weight-grad W
-  (W = b/2); W fills the bubble so it shrinks to f/(f + b) of 1F1B's.
+- zero-bubble ZB-H1 (Qi et al. 2024): the backward splits into input-grad B and weight-grad W;
+  W is deferred into the bubble, which shrinks to (f + b - 2W) / (f + b) of 1F1B's
+  (a third when F = B = W); recompute and communication stay on the critical path.
 
 Each boundary adds a send of activations forward and of gradients backward on the critical
 path of the fill and drain: 2 (p - 1) p2p.
@@ -17,8 +18,13 @@ from __future__ import annotations
 
 def pipeline_step_time(fwd_s: list[float], bwd_s: list[float], num_microbatches: int,
                        schedule: str = "1f1b", virtual_stages: int = 1,
-                       p2p_s: float = 0.0) -> tuple[float, float]:
-    """(step seconds, bubble seconds) of one optimizer step's forward+backward."""
+                       p2p_s: float = 0.0,
+                       weight_grad_s: list[float] | None = None) -> tuple[float, float]:
+    """(step seconds, bubble seconds) of one optimizer step's forward+backward.
+
+    ``weight_grad_s`` is the weight-gradient share of each stage's backward (zero-bubble
+    defers it); by default half of the backward.
+    """
     p, m = len(fwd_s), num_microbatches
     per_stage = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
     bottleneck = max(per_stage)
@@ -28,7 +34,8 @@ def pipeline_step_time(fwd_s: list[float], bwd_s: list[float], num_microbatches:
     if schedule == "interleaved" and virtual_stages > 1:
         fill_drain /= virtual_stages
     elif schedule == "zero_bubble":
-        f, total = sum(fwd_s), sum(per_stage)
-        fill_drain *= f / total if total else 1.0
+        w = sum(weight_grad_s) if weight_grad_s is not None else sum(bwd_s) / 2
+        total = sum(per_stage)
+        fill_drain *= (total - 2 * w) / total if total else 1.0
     bubble = fill_drain + 2 * (p - 1) * p2p_s
     return m * bottleneck + bubble, bubble

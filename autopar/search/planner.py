@@ -59,19 +59,19 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
                  schedule: str = "1f1b", virtual_stages: int = 1) -> float:
     """No step can be faster: the work of one micro-batch, W, split evenly over p stages, run
     m times, plus the schedule's fill and drain on the even split, (p - 1) W / p x phi
-    (phi = 1, 1/v interleaved, f/(f+b) zero-bubble). With stage times t_i summing to W the
+    (phi = 1, 1/v interleaved, (W - 2 w) / W zero-bubble with w the weight-gradient time). With stage times t_i summing to W the
     step is at least m max(t) + (W - max(t)) phi, smallest at max(t) = W / p."""
-    fwd = total = 0.0
+    weight_grad = total = 0.0
     for i in range(len(graph.blocks)):
         c = cached_block_cost(graph, i, config, cluster, "none")
-        fwd += c.fwd_s
+        weight_grad += c.bwd_s / 2 if train else 0.0
         total += c.fwd_s + c.tp_comm_s + c.ep_comm_s + (c.bwd_s if train else 0.0)
     p, m = config.pp, config.num_microbatches
     phi = 1.0
     if schedule == "interleaved":
         phi = 1 / virtual_stages
     elif schedule == "zero_bubble":
-        phi = fwd / total if total else 1.0
+        phi = (total - 2 * weight_grad) / total if total else 1.0
     return total / p * (m + (p - 1) * phi)
 
 
@@ -201,22 +201,26 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
 
 def fit_recompute(graph: Graph, cluster: Cluster, config: ParallelConfig, capacity: float,
                   host_capacity: float, task: str, pinned: str | None
-                  ) -> tuple[Estimate | None, float]:
+                  ) -> tuple[ParallelConfig, Estimate | None, Estimate]:
     """The cheapest per-block recompute that fits ``capacity``.
 
-    Returns (estimate or None when nothing fits, the least memory any recompute choice needs).
-    Full recompute is tried first: it stores the least, so when it does not fit nothing does.
+    Returns (the config with its recompute, its estimate or None when nothing fits, the
+    leanest estimate). Full recompute is tried first: it stores the least, so when it does not
+    fit nothing does.
     """
     train = task != "infer"
     if pinned is not None or not train:
-        est = estimate(graph, cluster, replace(config, recompute=pinned or "none"), task)
-        return (est if est.fits(capacity, host_capacity) else None), est.memory.total
-    lean = estimate(graph, cluster, replace(config, recompute="full"), task)
+        config = replace(config, recompute=pinned or "none")
+        est = estimate(graph, cluster, config, task)
+        return config, (est if est.fits(capacity, host_capacity) else None), est
+    lean_config = replace(config, recompute="full")
+    lean = estimate(graph, cluster, lean_config, task)
     if not lean.fits(capacity, host_capacity):
-        return None, lean.memory.total
-    est = estimate(graph, cluster, replace(config, recompute="none"), task)
+        return lean_config, None, lean
+    none_config = replace(config, recompute="none")
+    est = estimate(graph, cluster, none_config, task)
     if est.fits(capacity, host_capacity):
-        return est, lean.memory.total
+        return none_config, est, lean
     modes: list[str] = ["none"] * len(graph.blocks)
     for s, stage in enumerate(est.stages):
         start, end = stage.blocks
@@ -237,15 +241,18 @@ def fit_recompute(graph: Graph, cluster: Cluster, config: ParallelConfig, capaci
             types.append((len(indices), costs))
         chosen = choose_recompute(types, static, held, capacity)
         if chosen is None:
-            return lean, lean.memory.total  # cannot happen when all-full fits; keep it valid
+            return lean_config, lean, lean  # all-full fits, so this cannot happen
         for indices, counts in zip(by_type.values(), chosen[0], strict=True):
             at = 0
             for mode in ("full", "selective", "none"):  # deterministic: earliest blocks first
                 for i in indices[at:at + counts.get(mode, 0)]:
                     modes[i] = mode
                 at += counts.get(mode, 0)
-    est = estimate(graph, cluster, replace(config, recompute=tuple(modes)), task)
-    return (est if est.fits(capacity, host_capacity) else lean), lean.memory.total
+    chosen_config = replace(config, recompute=tuple(modes))
+    est = estimate(graph, cluster, chosen_config, task)
+    if est.fits(capacity, host_capacity):
+        return chosen_config, est, lean
+    return lean_config, lean, lean
 
 
 def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
@@ -271,7 +278,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
         best: tuple[ParallelConfig, Estimate] | None = None
         found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
         evaluated = pruned = 0
-        leanest: tuple[float, ParallelConfig] | None = None
+        leanest: tuple[float, ParallelConfig, Estimate | None] | None = None
         bound = float("inf")
         timed_out = False
         for k, cand in enumerate(cands):
@@ -279,7 +286,8 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
                 pruned = len(cands) - k
                 bound = best[1].step_time_s
                 break
-            if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+            if (time_limit_s is not None and best is not None
+                    and time.perf_counter() - started > time_limit_s):
                 timed_out = True
                 bound = cand.lower_bound_s
                 pruned = len(cands) - k
@@ -291,18 +299,18 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             if floor > capacity:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 if leanest is None or floor < leanest[0]:
-                    leanest = (floor, config)
+                    leanest = (floor, config, None)
                 continue
             if config.pp not in stages_of:
                 stages_of[config.pp] = balanced_stages(graph, config.pp)
             config = replace(config, stages=stages_of[config.pp])
             evaluated += 1
-            est, least = fit_recompute(graph, cluster, config, capacity, host_capacity, task,
-                                       pinned_recompute)
+            config, est, lean = fit_recompute(graph, cluster, config, capacity, host_capacity,
+                                              task, pinned_recompute)
             if est is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
-                if leanest is None or least < leanest[0]:
-                    leanest = (least, config)
+                if leanest is None or lean.memory.total < leanest[0]:
+                    leanest = (lean.memory.total, config, lean)
                 continue
             found.append((est.step_time_s, cand.tie, config, est))
             if best is None or est.step_time_s < best[1].step_time_s:
@@ -350,24 +358,41 @@ def _shape(c: ParallelConfig) -> tuple:
 def _infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
                         capacity: float, leanest: tuple | None, rejected: dict,
                         global_batch: int) -> str:
-    gb = capacity / 1e9
+    from autopar.ir.summary import human
+
     if leanest is None:
-        reasons = []
-        if not any(facts.tp_ok(t) for t in divisors(devices) if t > 1) and devices > 1:
-            reasons.append(f"no tensor-parallel degree divides heads {facts.heads}")
-        return (f"no legal plan for {devices} devices and global batch {global_batch}: "
-                f"{'; '.join(reasons) or 'every mesh is ruled out by divisibility or pins'}; "
-                f"use a global batch divisible by the data-parallel degree, another device "
-                f"count, or fewer constraints")
-    need, config = leanest
-    biggest = max(graph.blocks, key=lambda b: b.param_bytes)
-    layer_gb = biggest.param_numel * 16 / 1e9  # mixed-precision Adam on one device
-    tp_needed = next((t for t in divisors(devices) if facts.tp_ok(t)
-                      and layer_gb / t <= gb * 0.5), None)
-    hint = (f"the largest block ({biggest.name}) alone needs {layer_gb:.1f} GB of weights, "
-            f"gradients and Adam states per device without sharding")
-    way_out = (f"use at least tp={tp_needed}, ZeRO-3, offload, or more devices"
-               if tp_needed else "use more devices or a device with more memory")
-    return (f"no plan fits {gb:.1f} GB per device on {devices} x {cluster.name}: the leanest "
-            f"candidate (pp={config.pp} dp={config.dp} tp={config.tp} ep={config.ep}, ZeRO-"
-            f"{config.zero_stage}, full recompute) needs {need / 1e9:.1f} GB; {hint}; {way_out}")
+        return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
+                f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "
+                f"{facts.blocks} blocks, batch per replica) or by the constraints; use a global "
+                f"batch divisible by the data-parallel degree, another device count, or fewer "
+                f"constraints")
+    need, config, est = leanest
+    where = (f"the leanest candidate (pp={config.pp} dp={config.dp} tp={config.tp} "
+             f"ep={config.ep}, ZeRO-{config.zero_stage}, full recompute"
+             f"{', offload ' + '+'.join(sorted(config.offload)) if config.offload else ''}) "
+             f"needs {human(need, 'B')}")
+    if est is not None:
+        mem = est.memory
+        states = mem.params + mem.grads + mem.optimizer
+        parts = {"model states": states, "activations": mem.activations,
+                 "buffers (logits, gathered layers, buckets)": mem.buffers}
+        top = max(parts, key=parts.get)
+        where += f", {human(parts[top], 'B')} of it {top}"
+        if top == "model states":
+            way_out = "use more devices (ZeRO-3 splits the states), offload, or a larger device"
+        elif top == "activations":
+            way_out = ("use a shorter sequence, more pipeline or tensor-parallel devices, or a "
+                       "device with more memory")
+        else:
+            way_out = "use more tensor-parallel devices, a shorter sequence or a larger device"
+    else:
+        biggest = max(graph.blocks, key=lambda b: b.param_bytes)
+        layer = biggest.param_numel * 16  # mixed-precision Adam on one device
+        tp = next((t for t in divisors(devices) if facts.tp_ok(t) and layer / t <= capacity / 2),
+                  None)
+        where += (f"; the largest block ({biggest.name}) alone holds {human(layer, 'B')} of "
+                  f"weights, gradients and Adam states unsharded")
+        way_out = (f"use at least tp={tp}, ZeRO-3, offload, or more devices" if tp and tp > 1
+                   else "use more devices, offload, or a device with more memory")
+    return (f"no plan fits {human(capacity, 'B')} per device on {devices} x {cluster.name}: "
+            f"{where}; {way_out}")

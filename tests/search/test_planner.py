@@ -1,0 +1,124 @@
+"""autopar.plan on real-size models: legal, sensible, explainable, deterministic."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.search.space import model_facts
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return autopar.capture("llama3-8b", seq=4096)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return autopar.capture("mixtral-8x7b", seq=4096)
+
+
+def _assert_legal(plan, graph) -> None:
+    facts = model_facts(graph)
+    m = plan.mesh
+    assert m["pp"] * m["dp"] * m["tp"] * m["ep"] == plan.devices
+    assert all(h % m["tp"] == 0 for h in facts.heads)
+    assert m["pp"] <= len(graph.blocks)
+    assert facts.experts % m["ep"] == 0 if facts.experts else m["ep"] == 1
+    assert plan.global_batch == m["dp"] * m["ep"] * plan.microbatch_size * plan.num_microbatches
+    for stage in plan.predicted.stages:  # every device, not the average
+        assert stage["memory"]["total"] <= plan.memory_limit_bytes
+    plan.validate()
+
+
+def test_llama_8b_on_64_is_legal_and_explained(llama8b) -> None:
+    plan = autopar.plan(llama8b, devices=64, global_batch=512)
+    _assert_legal(plan, llama8b)
+    assert plan.solver["gap"] == 0.0 and not plan.solver["timed_out"]
+    assert plan.alternatives and all(a["step_time_s"] >= plan.predicted.step_time_s
+                                     for a in plan.alternatives)
+    assert 0 < plan.predicted.mfu < 1
+    assert set(plan.predicted.memory) >= {"params", "grads", "optimizer", "activations",
+                                          "kv_cache", "buffers", "total"}
+
+
+def test_small_model_large_batch_gets_pure_data_parallelism() -> None:
+    plan = autopar.plan("gpt2", devices=8, global_batch=256)
+    assert plan.mesh == {"pp": 1, "dp": 8, "tp": 1, "ep": 1}
+
+
+def test_gpt3_175b_on_1024_a100_uses_pipelining_and_node_local_tp() -> None:
+    graph = autopar.capture("gpt3-175b", seq=2048)
+    plan = autopar.plan(graph, devices=1024, global_batch=1536)
+    _assert_legal(plan, graph)
+    assert plan.mesh["tp"] <= 8 and plan.mesh["pp"] > 1
+
+
+def test_too_small_for_zero0_moves_to_sharding_recompute_or_offload(llama8b) -> None:
+    # 8B x 16 bytes of mixed-precision Adam states is 128 GB: plain data parallelism cannot fit
+    plan = autopar.plan(llama8b, devices=8, global_batch=8,
+                        constraints={"pp": 1, "tp": 1})
+    assert plan.zero_stage > 0 or plan.offload or set(plan.recompute) != {"none"}
+    _assert_legal(plan, llama8b)
+    pinned = autopar.plan(llama8b, devices=8, global_batch=8,
+                          constraints={"pp": 1, "tp": 1, "zero_stage": 3, "offload": "none"},
+                          memory_limit_gb=40)
+    assert set(pinned.recompute) != {"none"}  # activations of 4096 tokens must be recomputed
+
+
+def test_infeasible_budget_names_the_bound_and_the_way_out() -> None:
+    graph = autopar.capture("llama3-70b", seq=4096)
+    with pytest.raises(autopar.InfeasibleError) as info:
+        autopar.plan(graph, devices=2, cluster="v100-16g", global_batch=2)
+    message = str(info.value)
+    assert "per device" in message and "needs" in message and "use " in message
+    assert "\n" not in message and "OPTIMAL" not in message and "status" not in message
+
+
+def test_mixtral_expert_parallel_is_legal(mixtral) -> None:
+    plan = autopar.plan(mixtral, devices=64, global_batch=512)
+    _assert_legal(plan, mixtral)
+    assert 8 % plan.mesh["ep"] == 0
+
+
+def test_constraints_and_presets(llama8b) -> None:
+    plan = autopar.plan(llama8b, devices=64, global_batch=512, constraints={"tp": 8, "pp": 2})
+    assert plan.mesh["tp"] == 8 and plan.mesh["pp"] == 2
+    zero3 = autopar.plan(llama8b, devices=64, global_batch=512, constraints="zero3-only")
+    assert zero3.zero_stage == 3 and zero3.mesh["tp"] == zero3.mesh["pp"] == 1
+    mf = autopar.plan(llama8b, devices=8, global_batch=8, constraints="mindformers-style")
+    assert (mf.mesh["dp"], mf.mesh["tp"], mf.zero_stage) == (2, 4, 1)
+    assert set(mf.recompute) == {"full"}
+    text = autopar.plan(llama8b, devices=64, global_batch=512, constraints="tp=4,zero_stage=1")
+    assert text.mesh["tp"] == 4 and text.zero_stage == 1
+    with pytest.raises(autopar.PlanError, match="unknown constraint"):
+        autopar.plan(llama8b, devices=8, constraints={"tensor_parallel": 2})
+    with pytest.raises(autopar.PlanError, match="preset"):
+        autopar.plan(llama8b, devices=8, constraints="no-such-preset")
+
+
+def test_pinning_everything_evaluates_that_one_plan(llama8b) -> None:
+    pins = {"pp": 2, "dp": 4, "tp": 8, "ep": 1, "microbatch_size": 1, "num_microbatches": 8,
+            "zero_stage": 1, "recompute": "selective", "offload": "none", "schedule": "1f1b",
+            "sequence_parallel": True}
+    plan = autopar.plan(llama8b, devices=64, global_batch=32, constraints=pins)
+    assert plan.solver["evaluated"] == 1
+    assert plan.schedule == "1f1b" and set(plan.recompute) == {"selective"}
+
+
+def test_inference_plan(llama8b) -> None:
+    plan = autopar.plan(llama8b, devices=8, task="infer", global_batch=16)
+    assert plan.zero_stage == 0 and set(plan.recompute) == {"none"}
+    assert plan.predicted.memory["kv_cache"] > 0 and plan.predicted.memory["optimizer"] == 0
+
+
+def test_time_limit_is_honoured(mixtral) -> None:
+    plan = autopar.plan(mixtral, devices=64, global_batch=512, time_limit_s=0.0)
+    assert plan.solver["timed_out"] and plan.solver["gap"] >= 0.0
+    assert plan.solver["bound_s"] <= plan.predicted.step_time_s
+
+
+def test_progress_reports(llama8b) -> None:
+    seen = []
+    autopar.plan(llama8b, devices=64, global_batch=512, progress=lambda f, msg: seen.append(f))
+    assert seen and seen[-1] == 1.0 and all(0.0 <= f <= 1.0 for f in seen)

@@ -1,0 +1,47 @@
+"""Exact per-stage recompute choice against brute force over per-block assignments."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopar.search.recompute import MODES, ModeCost, choose_recompute
+
+
+def _random_types(rng: random.Random) -> list[tuple[int, list[ModeCost]]]:
+    types = []
+    for _ in range(rng.randint(1, 3)):
+        none = rng.uniform(50, 100)
+        sel = none * rng.uniform(0.3, 0.9)
+        full = sel * rng.uniform(0.05, 0.5)
+        costs = [ModeCost(none, 0.0, 0.0),
+                 ModeCost(sel, rng.uniform(0, 40), rng.uniform(0.1, 1.0)),
+                 ModeCost(full, rng.uniform(20, 100), rng.uniform(1.0, 3.0))]
+        types.append((rng.randint(1, 3), costs))
+    return types
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_choice_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    types = _random_types(rng)
+    static, held = rng.uniform(0, 200), rng.choice([1.0, 2.0, 4.0])
+    capacity = rng.uniform(100, 1500)
+    blocks = [costs for count, costs in types for _ in range(count)]
+    best = None
+    for modes in itertools.product(range(3), repeat=len(blocks)):
+        mem = static + held * sum(b[m].activation_bytes for b, m in zip(blocks, modes))
+        mem += max(b[m].peak_bytes for b, m in zip(blocks, modes))
+        if mem <= capacity:
+            t = sum(b[m].recompute_s for b, m in zip(blocks, modes))
+            best = t if best is None else min(best, t)
+    got = choose_recompute(types, static, held, capacity)
+    if best is None:
+        assert got is None
+    else:
+        counts, seconds = got
+        assert seconds == pytest.approx(best)
+        assert [sum(c.values()) for c in counts] == [n for n, _ in types]
+        assert all(set(c) <= set(MODES) for c in counts)
