@@ -7,6 +7,7 @@ import sys
 import click
 
 from autopar.cli.common import fail_message
+from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
 from autopar.errors import AutoparError
@@ -19,6 +20,7 @@ def cli() -> None:
 
     \b
     Examples:
+      autopar compile llama3-8b --devices 64 --global-batch 512   # plan it, write plan.yaml
       autopar inspect llama3-8b              # capture a shipped config, print its structure
       autopar inspect ./my-model/config.json --seq 2048
       autopar inspect model.onnx
@@ -27,6 +29,7 @@ def cli() -> None:
 
 
 cli.add_command(inspect_cmd)
+cli.add_command(compile_cmd)
 cli.add_command(profile_cmd)
 
 

@@ -62,9 +62,34 @@ def plan(
         raise PlanError(f"memory_limit_gb must be positive, got {memory_limit_gb}")
     defaults = {"trainable_fraction": 1.0}
     facts = model_facts(graph)
+    _check_pins(pins, facts, devices, global_batch)
     result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
                     time_limit_s=time_limit_s, progress=progress, defaults=defaults)
     return build_plan(graph, hw, devices, task, global_batch, result, capacity)
+
+
+def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
+    """A pinned degree that can never work gets its own message, not a generic 'no plan'."""
+    product = 1
+    for axis in ("pp", "dp", "tp", "ep"):
+        if axis in pins:
+            product *= pins[axis]
+            if devices % pins[axis]:
+                raise PlanError(f"{axis}={pins[axis]} does not divide {devices} devices; pin a "
+                                f"divisor of {devices}")
+    if devices % product:
+        raise PlanError(f"the pinned degrees multiply to {product}, which does not divide "
+                        f"{devices} devices")
+    if "tp" in pins and not facts.tp_ok(pins["tp"]):
+        ok = [t for t in range(1, devices + 1) if devices % t == 0 and facts.tp_ok(t)]
+        raise PlanError(f"tp={pins['tp']} does not divide the attention heads "
+                        f"{list(facts.heads)} and projection sizes; use tp in {ok}")
+    if "ep" in pins and not facts.ep_ok(pins["ep"]):
+        raise PlanError(f"ep={pins['ep']} does not divide the model's {facts.experts} experts"
+                        if facts.experts else
+                        f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
+    if "pp" in pins and pins["pp"] > facts.blocks:
+        raise PlanError(f"pp={pins['pp']} exceeds the model's {facts.blocks} blocks")
 
 
 def _predicted(est: Estimate) -> Predicted:

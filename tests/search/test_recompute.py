@@ -32,10 +32,10 @@ def test_choice_matches_brute_force(seed: int) -> None:
     blocks = [costs for count, costs in types for _ in range(count)]
     best = None
     for modes in itertools.product(range(3), repeat=len(blocks)):
-        mem = static + held * sum(b[m].activation_bytes for b, m in zip(blocks, modes))
-        mem += max(b[m].peak_bytes for b, m in zip(blocks, modes))
+        mem = static + held * sum(b[m].activation_bytes for b, m in zip(blocks, modes, strict=True))
+        mem += max(b[m].peak_bytes for b, m in zip(blocks, modes, strict=True))
         if mem <= capacity:
-            t = sum(b[m].recompute_s for b, m in zip(blocks, modes))
+            t = sum(b[m].recompute_s for b, m in zip(blocks, modes, strict=True))
             best = t if best is None else min(best, t)
     got = choose_recompute(types, static, held, capacity)
     if best is None:

@@ -1,0 +1,96 @@
+"""``autopar compile MODEL --devices N``: capture, search, print the report, write the plan."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+from autopar.cli.common import capture_model
+
+
+@contextlib.contextmanager
+def search_progress(quiet: bool) -> Iterator[object]:
+    """A progress bar on stderr for the search (silent when quiet or not a terminal)."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=1.0)
+        yield lambda fraction, message: bar.update(task, completed=fraction,
+                                                   description=message)
+
+
+def _default_out(model: str, devices: int) -> Path:
+    stem = Path(model.split(":")[-1]).stem if ("/" in model or model.endswith(".json")) \
+        else model.replace(":", "-")
+    return Path(f"autopar-{stem}-{devices}")
+
+
+@click.command("compile")
+@click.argument("model")
+@click.option("--devices", required=True, type=click.IntRange(min=1), help="Total devices.")
+@click.option("--cluster", default="a100-80g", show_default=True,
+              help="A cost_models/ name or a profile YAML from `autopar profile`.")
+@click.option("--task", type=click.Choice(["train", "finetune", "infer"]), default="train",
+              show_default=True)
+@click.option("--global-batch", type=click.IntRange(min=1), default=None,
+              help="Sequences per optimizer step (infer: concurrent sequences) "
+                   "[default: one per device].")
+@click.option("--seq", type=click.IntRange(min=1), default=None,
+              help="Tokens per sequence [default: the config's context, at most 4096].")
+@click.option("--constraints", default=None,
+              help="A YAML file, a strategies/ preset (megatron-3d, zero3-only, "
+                   "data-parallel-only, mindformers-style) or k=v,k=v pins (tp=8,pp=2).")
+@click.option("--memory-limit-gb", type=float, default=None,
+              help="Usable memory per device [default: the cluster's].")
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0), default=None,
+              help="Stop the search after this many seconds and report the proven gap.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Artifact directory [default: ./autopar-MODEL-DEVICES].")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
+                seq: int | None, constraints: str | None, memory_limit_gb: float | None,
+                time_limit_s: float | None, out: str | None, fmt: str, quiet: bool) -> None:
+    """Plan MODEL on DEVICES devices, print the strategy report and write DIR/plan.yaml.
+
+    MODEL is a shipped config name (autopar inspect --list), a Hugging Face config.json or its
+    folder, a Python module:factory, or an .onnx file.
+
+    \b
+    Examples:
+      autopar compile llama3-8b --devices 64 --global-batch 512
+      autopar compile llama3-70b --devices 512 --cluster h100-80g --constraints megatron-3d
+      autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
+      autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
+    """
+    from autopar.cost.hardware import load_cluster
+    from autopar.search.api import plan as make_plan
+    from autopar.search.constraints import load_constraints
+
+    load_constraints(constraints)  # bad pins and clusters fail before minutes of capture
+    load_cluster(cluster)
+    graph = capture_model(model, 1, seq, quiet)
+    with search_progress(quiet) as progress:
+        result = make_plan(graph, devices=devices, cluster=cluster, task=task,
+                           global_batch=global_batch, constraints=constraints,
+                           memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
+                           progress=progress)
+    out_dir = Path(out) if out else _default_out(model, devices)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = result.save(out_dir / "plan.yaml")
+    if fmt == "json":
+        click.echo(json.dumps({**result.to_dict(), "plan_file": str(path)}, indent=2))
+    else:
+        click.echo(result.report())
+        click.echo(f"\nwrote {path}")

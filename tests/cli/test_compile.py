@@ -1,0 +1,40 @@
+"""``autopar compile`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+from autopar.plan import Plan
+
+from .test_inspect import _assert_one_line_error, run_cli
+
+
+def test_compile_writes_plan_and_prints_report(tmp_path) -> None:
+    out = tmp_path / "art"
+    result = run_cli("compile", "tiny-llama", "--devices", "4", "--global-batch", "8",
+                     "--seq", "64", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "mesh" in result.stdout and "step time" in result.stdout
+    plan = Plan.load(out / "plan.yaml")
+    assert plan.devices == 4 and plan.global_batch == 8
+
+
+def test_compile_json(tmp_path) -> None:
+    result = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--format", "json",
+                     "--out", str(tmp_path / "j"), "--constraints", "pp=2")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["mesh"]["pp"] == 2 and data["plan_file"].endswith("plan.yaml")
+
+
+def test_compile_bad_inputs_exit_2_and_write_nothing(tmp_path) -> None:
+    out = tmp_path / "never"
+    base = ["compile", "tiny-llama", "--seq", "32", "--out", str(out)]
+    _assert_one_line_error(run_cli(*base, "--devices", "4", "--constraints", "tp=3"), "tp=3")
+    _assert_one_line_error(run_cli(*base, "--devices", "4", "--constraints", "nope=1"), "nope")
+    _assert_one_line_error(run_cli(*base, "--devices", "4", "--cluster", "tpu-v9"), "tpu-v9")
+    _assert_one_line_error(run_cli(*base, "--devices", "4", "--memory-limit-gb", "0.0001"),
+                           "no plan fits")
+    _assert_one_line_error(run_cli(*base, "--devices", "0"), "--devices")
+    _assert_one_line_error(run_cli("compile", "tiny-llama"), "--devices")
+    assert not out.exists()

@@ -1,0 +1,84 @@
+"""The plan file: deterministic, round-trips, and refuses inconsistent edits."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import autopar
+from autopar.plan import PLAN_VERSION, Plan
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return autopar.capture("tiny-llama", seq=64)
+
+
+@pytest.fixture(scope="module")
+def plan(graph):
+    return autopar.plan(graph, devices=4, global_batch=16)
+
+
+def test_same_inputs_give_byte_identical_files(graph, tmp_path) -> None:
+    a = autopar.plan(graph, devices=4, global_batch=16).save(tmp_path / "a.yaml")
+    again = autopar.capture("tiny-llama", seq=64)  # a fresh capture too
+    b = autopar.plan(again, devices=4, global_batch=16).save(tmp_path / "b.yaml")
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_round_trip(plan, tmp_path) -> None:
+    path = plan.save(tmp_path / "plan.yaml")
+    loaded = Plan.load(path)
+    assert loaded.to_dict() == plan.to_dict()
+    assert loaded.mesh == plan.mesh and loaded.predicted.step_time_s == plan.predicted.step_time_s
+    data = yaml.safe_load(path.read_text())
+    for key in ("version", "mesh", "microbatch_size", "num_microbatches", "zero_stage",
+                "schedule", "recompute", "offload", "stages", "placements", "predicted",
+                "alternatives", "solver"):
+        assert key in data
+    assert data["version"] == PLAN_VERSION
+    assert len(data["recompute"]) == len(data["model"]["blocks"])
+    assert set(data["placements"]["params"]) == set(autopar.capture("tiny-llama",
+                                                                    seq=64).params)
+
+
+def _edited(plan, tmp_path, **changes):
+    data = plan.to_dict()
+    data.update(changes)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_inconsistent_edits_are_refused(plan, tmp_path) -> None:
+    bad_mesh = dict(plan.mesh, dp=plan.mesh["dp"] * 2)
+    with pytest.raises(autopar.PlanError, match="covers"):
+        Plan.load(_edited(plan, tmp_path, mesh=bad_mesh))
+    with pytest.raises(autopar.PlanError, match="version"):
+        Plan.load(_edited(plan, tmp_path, version=PLAN_VERSION + 1))
+    with pytest.raises(autopar.PlanError, match="one mode per block"):
+        Plan.load(_edited(plan, tmp_path, recompute=["none"]))
+    with pytest.raises(autopar.PlanError, match="global_batch"):
+        Plan.load(_edited(plan, tmp_path, global_batch=plan.global_batch + 1))
+    with pytest.raises(autopar.PlanError, match="unknown recompute"):
+        Plan.load(_edited(plan, tmp_path, recompute=["sometimes"] * len(plan.recompute)))
+    with pytest.raises(autopar.PlanError, match="missing or unknown field"):
+        Plan.load(_edited(plan, tmp_path, surprise=1))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("mesh: [unclosed")
+    with pytest.raises(autopar.PlanError, match="not valid YAML"):
+        Plan.load(broken)
+    with pytest.raises(autopar.PlanError, match="cannot read plan"):
+        Plan.load(tmp_path / "missing.yaml")
+
+
+def test_hand_edited_plan_still_loads(plan, tmp_path) -> None:
+    modes = ["full"] * len(plan.recompute)
+    loaded = Plan.load(_edited(plan, tmp_path, recompute=modes))
+    assert loaded.recompute == modes
+
+
+def test_text_report_shows_the_numbers(plan) -> None:
+    text = plan.report()
+    assert f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}" in text
+    assert "MFU" in text and "gap" in text and "runner-ups" in text
