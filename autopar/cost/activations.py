@@ -148,7 +148,7 @@ def block_activation_bytes(
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
     grad_ops = requires_grad(graph)
     members = set(block.nodes)
-    layout: TPLayout = tp_layout(graph, block)
+    layout: TPLayout = tp_layout(graph, block, tp)
     core = attention_core(graph, block) if recompute == "selective" else set()
 
     def divisor(root: str) -> int:

@@ -12,7 +12,7 @@ from autopar.cost.config import ParallelConfig
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.memory import MemoryBreakdown, inflight_microbatches, model_state_bytes
 from autopar.cost.pipeline import pipeline_step_time
-from autopar.cost.tp_layout import attention_core, tp_layout
+from autopar.cost.tp_layout import attention_core, layout_key, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 
 # Block costs depend on the block's type and a few knobs only; a search asks for the same ones
@@ -120,7 +120,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     tp, sp = config.tp, config.sequence_parallel and config.tp > 1
     flop_scale = config.microbatch_size / _captured_batch(graph)
     byte_scale = flop_scale * _DTYPE_BYTES.get(config.compute_dtype, 2) / _captured_float_bytes(graph)
-    layout = tp_layout(graph, block)
+    layout = tp_layout(graph, block, config.tp)
     fwd = 0.0
     core_s = 0.0
     core = attention_core(graph, block) if recompute == "selective" else set()
@@ -196,7 +196,8 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     """:func:`block_cost`, computed once per block type and the knobs it depends on."""
     block = graph.blocks[index]
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.microbatch_size, config.compute_dtype, cluster.cache_key)
+           config.microbatch_size, config.compute_dtype, cluster.cache_key,
+           layout_key(graph, block, config.tp))
     by_type = _BLOCK_COSTS.setdefault(graph, {})
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)

@@ -29,10 +29,38 @@ class TPLayout:
 
 
 _cache: weakref.WeakKeyDictionary[Graph, dict[int, TPLayout]] = weakref.WeakKeyDictionary()
+# layouts chosen by the search (autopar.search.sharding), per (block type, tp degree), as
+# positions within the block so every block of the type shares them
+_chosen: weakref.WeakKeyDictionary[Graph, dict[tuple[int, int], tuple]] = \
+    weakref.WeakKeyDictionary()
 
 
-def tp_layout(graph: Graph, block: Block) -> TPLayout:
-    """The column/row linears and the ops whose outputs tp splits, for one block."""
+def register_layout(graph: Graph, type_id: int, tp: int, column: list[int], row: list[int],
+                    sharded: list[int]) -> None:
+    """Use this layout (op positions within the block) for every block of ``type_id`` at
+    tensor-parallel degree ``tp``."""
+    _chosen.setdefault(graph, {})[(type_id, tp)] = (tuple(column), tuple(row), tuple(sharded))
+
+
+def layout_key(graph: Graph, block: Block, tp: int) -> tuple:
+    """What the layout of this block at this degree depends on (for memoising costs)."""
+    return _chosen.get(graph, {}).get((block.type_id, tp), ())
+
+
+def tp_layout(graph: Graph, block: Block, tp: int | None = None) -> TPLayout:
+    """The column/row linears and the ops whose outputs tp splits, for one block: the layout
+    the search chose for this degree if any, else the Megatron layout from the dataflow."""
+    chosen = _chosen.get(graph, {}).get((block.type_id, tp)) if tp else None
+    if chosen:
+        names = block.nodes
+        column, row, sharded = chosen
+        return TPLayout([names[i] for i in column], [names[i] for i in row],
+                        {names[i] for i in sharded})
+    return megatron_layout(graph, block)
+
+
+def megatron_layout(graph: Graph, block: Block) -> TPLayout:
+    """Column-parallel after a replicated input, row-parallel after a split one."""
     per_graph = _cache.setdefault(graph, {})
     if block.index in per_graph:
         return per_graph[block.index]

@@ -15,6 +15,7 @@ from autopar.ir.graph import Graph, OpKind
 from autopar.plan.plan import Plan, Predicted, _round
 from autopar.search.constraints import load_constraints
 from autopar.search.planner import Progress, SearchResult, search
+from autopar.search.sharding import solve_and_register
 from autopar.search.space import model_facts
 
 TASKS = ("train", "finetune", "infer")
@@ -63,9 +64,17 @@ def plan(
     defaults = {"trainable_fraction": 1.0}
     facts = model_facts(graph)
     _check_pins(pins, facts, devices, global_batch)
+    tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
+           and pins.get("tp", t) == t]
+    sharding = solve_and_register(graph, tps, hw)
     result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
                     time_limit_s=time_limit_s, progress=progress, defaults=defaults)
-    return build_plan(graph, hw, devices, task, global_batch, result, capacity)
+    plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
+    chosen = [sol for sol in sharding if sol.tp == plan.mesh["tp"]]
+    plan.solver["sharding"] = {
+        f"block type {sol.type_id}": {"status": sol.status, "objective_s": _round(sol.objective_s),
+                                      "bound_s": _round(sol.bound_s)} for sol in chosen}
+    return plan
 
 
 def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
@@ -127,7 +136,7 @@ def _placements(graph: Graph, config: ParallelConfig) -> dict:
     nodes: dict[str, dict[str, str]] = {}
     zero = "+Shard(0)@dp" if config.zero_stage == 3 else ""
     for block in graph.blocks:
-        layout = tp_layout(graph, block)
+        layout = tp_layout(graph, block, config.tp)
         per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
             else None
         for name in block.nodes:
@@ -170,8 +179,9 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
     if graph.model_config.get("model_type"):
         model["model_type"] = graph.model_config["model_type"]
     solver = {
-        "method": "exhaustive with lower-bound pruning; per-stage recompute by exact "
-                  "enumeration",
+        "method": "per-block-type tensor-parallel sharding by CP-SAT; mesh, batching, ZeRO, "
+                  "schedule and offload by exhaustive search with lower-bound pruning; "
+                  "per-stage recompute by exact enumeration",
         "bound_s": _round(result.bound_s), "gap": _round(result.gap),
         "evaluated": result.evaluated, "pruned_by_bound": result.pruned_by_bound,
         "rejected": dict(sorted(result.rejected.items())), "timed_out": result.timed_out,

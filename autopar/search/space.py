@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.activations import storage_root
-from autopar.cost.tp_layout import tp_layout
+from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
 
 SCHEDULES_PP = ("1f1b", "interleaved", "zero_bubble", "gpipe")
@@ -53,7 +53,7 @@ def model_facts(graph: Graph) -> ModelFacts:
                 if len(shape) == 3:
                     experts = max(experts, shape[0])
     for block in graph.blocks:
-        layout = tp_layout(graph, block)
+        layout = megatron_layout(graph, block)
         for name in layout.column:
             dims.add(graph.op(name).output_meta[0].shape[-1])
         for name in layout.row:

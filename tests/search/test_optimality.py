@@ -3,7 +3,8 @@
 Brute force here is written independently of the planner: every mesh, micro-batch size,
 sequence-parallel flag, ZeRO stage, schedule, offload set and per-block recompute assignment
 is enumerated and costed with autopar.cost.estimate; stage boundaries use the same
-FLOP-balanced partition as the planner.
+FLOP-balanced partition as the planner, and per-op tensor-parallel shardings the layouts that
+CP-SAT proves optimal per block type (autopar.search.sharding), solved first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import autopar
 from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.estimate import balanced_stages
 from autopar.models import GPT, GPTConfig, token_inputs
+from autopar.search.sharding import solve_and_register
 
 OFFLOADS = [(), ("optimizer",), ("activations", "optimizer"), ("optimizer", "params"),
             ("activations", "optimizer", "params")]
@@ -89,6 +91,7 @@ def _case(seed: int):
 @pytest.mark.parametrize("seed", range(20))
 def test_plan_matches_brute_force(seed: int) -> None:
     graph, cluster, devices, global_batch, capacity, heads, dims, pins = _case(seed)
+    solve_and_register(graph, [t for t in _divisors(devices) if heads % t == 0], cluster)
     expected = brute_force(graph, cluster, devices, global_batch, capacity, heads, dims, pins)
     kwargs = dict(devices=devices, cluster=cluster, global_batch=global_batch,
                   memory_limit_gb=capacity / 1e9, constraints=pins)

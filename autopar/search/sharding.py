@@ -1,0 +1,162 @@
+"""Per-op tensor-parallel sharding of one block type, solved with OR-Tools CP-SAT.
+
+Every op picks a strategy: a linear is replicated (R), column-parallel (C: replicated input,
+split output, its input gradient all-reduced in the backward) or row-parallel (W: split input,
+output all-reduced in the forward); ops that can work on split data (elementwise, views,
+attention over split heads, softmax) are replicated or split (S); norms, embeddings, routers and
+experts stay replicated (experts are expert parallelism's). An edge carries a split value only
+into an op that takes split input, except values with no gradient (masks, rotary tables),
+which any split op slices for free; what the next block reads is replicated (the model's final
+outputs, the logits, may stay split for a vocabulary-parallel loss). The objective is the
+block's forward + backward compute on one device plus the all-reduces the strategies imply
+(one per distinct column-parallel input), in integer nanoseconds. One model per block type and
+degree; its optimum (CP-SAT proves it) is registered as that type's layout for the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from autopar.capture.op_costs import packet_name
+from autopar.cost.activations import requires_grad
+from autopar.cost.comm import axis_collective_time
+from autopar.cost.compute import op_time
+from autopar.cost.config import ParallelConfig
+from autopar.cost.hardware import Cluster
+from autopar.cost.tp_layout import register_layout
+from autopar.ir.graph import Block, Graph, OpKind
+
+_REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
+_SPLIT_REDUCTIONS = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
+
+
+@dataclass
+class ShardingSolution:
+    type_id: int
+    tp: int
+    status: str  # OPTIMAL / FEASIBLE
+    objective_s: float
+    bound_s: float
+    column: list[int]
+    row: list[int]
+    sharded: list[int]
+
+
+def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
+    op = graph.op(name)
+    if op.kind is OpKind.LINEAR and op.params:
+        out = ["R"]
+        if op.output_meta[0].shape[-1] % tp == 0:
+            out.append("C")
+        if op.input_meta and op.input_meta[0].shape[-1] % tp == 0:
+            out.append("W")
+        return out
+    if op.kind in _REPLICATED_ONLY or op.params:
+        return ["R"]
+    if op.kind is OpKind.REDUCTION and packet_name(op.target) not in _SPLIT_REDUCTIONS:
+        return ["R"]
+    if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4 and \
+            op.input_meta[0].shape[1] % tp:
+        return ["R"]
+    return ["R", "S"]
+
+
+def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16",
+                time_limit_s: float = 5.0) -> ShardingSolution:
+    """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT)."""
+    device = cluster.device
+    grad = requires_grad(graph)
+    members = set(block.nodes)
+    config = ParallelConfig(tp=tp)
+    model = cp_model.CpModel()
+    x: dict[tuple[str, str], cp_model.IntVar] = {}
+    cost_terms = []
+    ns = 1e9
+
+    def comm(kind: str, nbytes: float) -> int:
+        return int(round(axis_collective_time(kind, nbytes, config, "tp", cluster) * ns))
+
+    for name in block.nodes:
+        op = graph.op(name)
+        options = _strategies(graph, name, tp)
+        for s in options:
+            x[name, s] = model.NewBoolVar(f"{name}_{s}")
+            divisor = tp if s in ("C", "W", "S") else 1
+            seconds = 3 * op_time(op, device, dtype, 1.0, 1.0, divisor)  # forward + backward
+            if s == "W":
+                seconds += axis_collective_time("all_reduce", op.output_bytes, config, "tp",
+                                                cluster)
+            cost_terms.append(int(round(seconds * ns)) * x[name, s])
+        model.AddExactlyOne(x[name, s] for s in options)
+        if any(succ not in members for succ in graph.dag.successors(name)):
+            for s in ("C", "S"):  # what the next block reads is replicated (final outputs,
+                # the logits, may stay split: the loss runs on vocabulary-parallel logits)
+                if (name, s) in x:
+                    model.Add(x[name, s] == 0)
+
+    def out_split(name: str) -> list:
+        return [x[name, s] for s in ("C", "S") if (name, s) in x]
+
+    allreduce_inputs: dict[str, cp_model.IntVar] = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        for i, src in enumerate(op.inputs):
+            inside = src in members
+            src_split = sum(out_split(src)) if inside else 0
+            takes_split = []
+            for s in ("W", "S"):
+                if (name, s) in x and (s == "S" or i == 0):
+                    takes_split.append(x[name, s])
+            if inside:
+                # a split value flows only into ops that take split input
+                for v in out_split(src):
+                    model.Add(sum(takes_split) >= v) if takes_split else model.Add(v == 0)
+            # a split consumer of a replicated value: free only when it carries no gradient
+            if src in grad or (inside and src in grad):
+                for t in takes_split:
+                    if inside:
+                        model.Add(src_split >= t)
+                    else:
+                        model.Add(t == 0)
+            if (name, "C") in x and i == 0:  # one backward all-reduce per distinct input
+                if src not in allreduce_inputs:
+                    allreduce_inputs[src] = model.NewBoolVar(f"ar_{src}")
+                    nbytes = op.input_meta[0].nbytes
+                    cost_terms.append(comm("all_reduce", nbytes) * allreduce_inputs[src])
+                model.AddImplication(x[name, "C"], allreduce_inputs[src])
+    model.Minimize(sum(cost_terms))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1  # deterministic
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"sharding model for block type {block.type_id} has no solution")
+    pos = {n: i for i, n in enumerate(block.nodes)}
+    pick = {n: s for (n, s), v in x.items() if solver.Value(v)}
+    return ShardingSolution(
+        type_id=block.type_id, tp=tp, status=solver.StatusName(status),
+        objective_s=solver.ObjectiveValue() / ns, bound_s=solver.BestObjectiveBound() / ns,
+        column=[pos[n] for n, s in pick.items() if s == "C"],
+        row=[pos[n] for n, s in pick.items() if s == "W"],
+        sharded=[pos[n] for n, s in pick.items() if s in ("C", "S")],
+    )
+
+
+def solve_and_register(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16"
+                       ) -> list[ShardingSolution]:
+    """Solve every block type at every degree in ``tps`` (> 1) and register the layouts."""
+    solutions = []
+    first_of_type: dict[int, Block] = {}
+    for block in graph.blocks:
+        first_of_type.setdefault(block.type_id, block)
+    for tp in sorted(set(tps)):
+        if tp <= 1:
+            continue
+        for block in first_of_type.values():
+            sol = solve_block(graph, block, tp, cluster, dtype)
+            register_layout(graph, block.type_id, tp, sol.column, sol.row, sol.sharded)
+            solutions.append(sol)
+    return solutions
