@@ -27,3 +27,11 @@ def test_estimate_llama_example() -> None:
     lines = [ln for ln in out.splitlines() if "x 64" in ln or "TP" in ln]
     assert len(lines) == 5
     assert "DDP x 64, full recompute" in out and "NO" in out  # 128 GB of model states
+
+
+def test_plan_llama_example(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "plan_llama.py")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "runner-ups" in result.stdout and "pinned tp=8" in result.stdout
+    assert (tmp_path / "llama3-70b.plan.yaml").is_file()
