@@ -1,0 +1,153 @@
+"""The training loop: one optimizer step per global batch, under the plan's parallelism."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.errors import PlanError
+from autopar.plan import Plan
+from autopar.runtime.data import synthetic_batch
+from autopar.runtime.parallelize import (
+    apply_data_parallel,
+    apply_recompute,
+    apply_tensor_parallel,
+)
+from autopar.runtime.source import build_from_source
+
+
+def _vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    return int(cfg.vocab_size)
+
+
+def _logits(out: object) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Trainer:
+    """Train ``source`` (an artifact manifest's model source) under ``plan``.
+
+    Runs in the current process group (torchrun, or a test's spawned ranks); with one device
+    it needs none. ``device`` overrides the plan cluster's device type (e.g. ``"cpu"``).
+    """
+
+    def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
+                 lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
+                 log_path: str | Path | None = None) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != plan.devices:
+            raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
+                            f"are running; launch with torchrun --nproc-per-node "
+                            f"{plan.devices} (or re-plan for {world})")
+        if plan.mesh["pp"] > 1 or plan.mesh["ep"] > 1:
+            raise PlanError("pipeline and expert parallelism are not in the runtime yet; "
+                            "re-plan with constraints pp=1,ep=1")
+        self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        model = build_from_source(source, seed, device)
+        self.vocab = _vocab(model)
+        self.seq = next(iter(plan.model["inputs"].values()))[1]
+        self.dp_rank, dp_mesh = 0, None
+        if world > 1:
+            from autopar.runtime.mesh import build_mesh
+
+            mesh = build_mesh(plan, device)
+            dp_mesh = mesh["dp"]
+            self.dp_rank = dp_mesh.get_local_rank()
+            if plan.mesh["tp"] > 1:
+                apply_tensor_parallel(model, plan, mesh["tp"])
+        apply_recompute(model, plan)
+        self.model, zero1 = apply_data_parallel(model, plan, dp_mesh)
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
+            else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if zero1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=lr,
+                                                     process_group=self.dp_group)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=lr)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.log_path = Path(log_path) if log_path else None
+        self.step_index = 0
+
+    def train_step(self) -> float:
+        """One optimizer step on the next global batch; returns the global mean loss."""
+        plan = self.plan
+        start = time.perf_counter()
+        tokens = synthetic_batch(self.step_index, self.seed, plan.global_batch, self.seq,
+                                 self.vocab)
+        per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
+        mine = tokens[self.dp_rank * per_replica:(self.dp_rank + 1) * per_replica]
+        m, b = plan.num_microbatches, plan.microbatch_size
+        total = torch.zeros(())
+        for i in range(m):
+            chunk = mine[i * b:(i + 1) * b]
+            logits = _logits(self.model(chunk[:, :-1]))
+            loss = F.cross_entropy(_full(logits).flatten(0, 1).float(), chunk[:, 1:].flatten())
+            (loss / m).backward()
+            total += loss.detach() / m
+        if self.grad_clip:
+            clip_grad_norm(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= plan.mesh["dp"]
+        value = float(total)
+        elapsed = time.perf_counter() - start
+        if self.log_path is not None and self.rank == 0:
+            record = {"step": self.step_index, "loss": value,
+                      "tokens_per_s": plan.global_batch * self.seq / elapsed,
+                      "peak_memory_bytes": _peak_memory()}
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.step_index += 1
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss became {value} at step {self.step_index}")
+        return value
+
+    def train(self, steps: int) -> list[float]:
+        return [self.train_step() for _ in range(steps)]
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Clip by the norm over the whole mesh. Works when some gradients are DTensors (tensor-
+    parallel or fully-sharded) and others plain tensors, which torch's clip_grad_norm_ refuses:
+    a DTensor's norm reduces over its shards."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        norm = g.norm(dtype=torch.float32)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares = squares + norm.to(squares.device) ** 2
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.device) if not hasattr(g, "device_mesh") else scale.item())
+    return total
+
+
+def _peak_memory() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

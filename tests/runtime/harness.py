@@ -1,0 +1,70 @@
+"""Run a Trainer on N local gloo processes (spawned, bounded, no leftovers)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
+            seed: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.plan import Plan
+    from autopar.runtime import Trainer
+
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=seed)
+        losses = trainer.train(steps)
+        sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
+                      and any(pl.is_shard() for pl in p.placements))
+        if rank == 0:
+            out.put(("ok", (losses, sharded)))
+    except Exception as exc:  # reported to the test as text
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0
+              ) -> tuple[list[float], int]:
+    """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
+    many of its parameters are sharded DTensors)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    world = plan.devices
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, source, plan.to_dict(), steps,
+                                               seed, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = out.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"no result from {world} ranks in {timeout_s} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload
