@@ -6,6 +6,7 @@ Public surface (see docs/ and DESIGN.md): ``capture``, ``Cluster``, the error cl
 
 from autopar import ir
 from autopar.capture import capture
+from autopar.codegen import compile_artifact as compile  # noqa: A001 - the public name
 from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 from autopar.plan import Plan
@@ -14,4 +15,4 @@ from autopar.search.api import plan
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "Plan", "PlanError",
-           "capture", "ir", "plan", "__version__"]
+           "capture", "compile", "ir", "plan", "__version__"]

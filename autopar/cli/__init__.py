@@ -10,6 +10,7 @@ from autopar.cli.common import fail_message
 from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
+from autopar.cli.run_cmd import run_cmd
 from autopar.errors import AutoparError
 
 
@@ -30,6 +31,7 @@ def cli() -> None:
 
 cli.add_command(inspect_cmd)
 cli.add_command(compile_cmd)
+cli.add_command(run_cmd)
 cli.add_command(profile_cmd)
 
 

@@ -62,7 +62,8 @@ def _default_out(model: str, devices: int) -> Path:
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
                 seq: int | None, constraints: str | None, memory_limit_gb: float | None,
                 time_limit_s: float | None, out: str | None, fmt: str, quiet: bool) -> None:
-    """Plan MODEL on DEVICES devices, print the strategy report and write DIR/plan.yaml.
+    """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR
+    (plan.yaml, manifest.json, recipe.txt) that `autopar run DIR` trains under torchrun.
 
     MODEL is a shipped config name (autopar inspect --list), a Hugging Face config.json or its
     folder, a Python module:factory, or an .onnx file.
@@ -87,8 +88,13 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
                            memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
                            progress=progress)
     out_dir = Path(out) if out else _default_out(model, devices)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = result.save(out_dir / "plan.yaml")
+    if model.lower().endswith(".onnx"):  # planned, but an ONNX file cannot be trained
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = result.save(out_dir / "plan.yaml")
+    else:
+        from autopar.codegen import compile_artifact
+
+        path = compile_artifact(model, None, result, out_dir) / "plan.yaml"
     if fmt == "json":
         click.echo(json.dumps({**result.to_dict(), "plan_file": str(path)}, indent=2))
     else:

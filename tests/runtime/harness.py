@@ -34,6 +34,8 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
         losses = trainer.train(steps)
         sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
                       and any(pl.is_shard() for pl in p.placements))
+        if world > 1:
+            dist.barrier()  # all ranks done before any tears gloo down
         if rank == 0:
             out.put(("ok", (losses, sharded)))
     except Exception as exc:  # reported to the test as text

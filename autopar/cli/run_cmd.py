@@ -1,0 +1,77 @@
+"""``autopar run DIR``: train an artifact under torchrun (or as one process)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import click
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def _device_type(cluster: str, override: str | None) -> str:
+    if override:
+        return override
+    from autopar.cost.hardware import load_cluster
+    from autopar.errors import PlanError
+
+    try:
+        return load_cluster(cluster).device.type
+    except PlanError:  # a profile file from another machine: run where we are
+        return "cpu"
+
+
+@click.command("run")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option("--data", default="synthetic", show_default=True,
+              help="'synthetic' (deterministic random tokens).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seeds the weights and the synthetic data.")
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--device", type=click.Choice(sorted(_BACKENDS)), default=None,
+              help="Device type [default: the plan cluster's].")
+def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
+            device: str | None) -> None:
+    """Train the artifact in DIRECTORY; one JSON line per step goes to DIR/logs/train.jsonl.
+
+    \b
+    Examples:
+      torchrun --nproc-per-node 4 -m autopar run autopar-tiny-llama-4 --steps 20 --device cpu
+      torchrun --nnodes 2 --nproc-per-node 8 ... -m autopar run DIR --steps 1000
+    """
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from autopar.codegen import load_artifact
+    from autopar.errors import PlanError
+    from autopar.runtime import Trainer
+
+    manifest, plan = load_artifact(directory)
+    if data != "synthetic":
+        raise PlanError(f"--data {data}: only 'synthetic' is available in this version")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.devices:
+        raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
+                        f"running; launch with torchrun --nproc-per-node {plan.devices}")
+    kind = _device_type(plan.cluster, device)
+    if world > 1:
+        dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
+    finished = False
+    try:
+        log = Path(directory) / "logs" / "train.jsonl"
+        trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log)
+        losses = trainer.train(steps)
+        if trainer.rank == 0:
+            click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
+                       f"{losses[-1]:.4f}; log {log}")
+        finished = True
+    finally:
+        if world > 1 and dist.is_initialized():
+            if finished:
+                # every rank reaches teardown before any tears down: gloo aborts a process
+                # whose peer destroys its threads mid-exchange
+                dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""``autopar.compile``: write the runnable artifact directory for a plan.
+
+DIR/plan.yaml      the plan (the only thing the runtime reads to decide parallelism)
+DIR/manifest.json  how to rebuild the model on every rank, the world size, versions
+DIR/recipe.txt     what the runtime applies, module by module (for humans and diffs)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from autopar.errors import PlanError
+from autopar.plan import PLAN_VERSION, Plan
+from autopar.runtime.source import describe_source
+
+MANIFEST_VERSION = 1
+
+
+def recipe_text(plan: Plan) -> str:
+    """A readable account of what the runtime will do with this plan."""
+    m = plan.mesh
+    lines = [f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}) over "
+             f"{plan.devices} ranks, tp innermost",
+             f"batch: global {plan.global_batch} -> each data-parallel rank "
+             f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"]
+    if m["dp"] > 1:
+        wrapper = ("DistributedDataParallel" + (" + ZeroRedundancyOptimizer (ZeRO-1)"
+                                                 if plan.zero_stage == 1 else "")
+                   if m["tp"] == 1 and plan.zero_stage <= 1 else
+                   f"fully_shard per layer and root, reshard_after_forward="
+                   f"{plan.zero_stage == 3} (ZeRO-{plan.zero_stage})")
+        lines.append(f"data parallel: {wrapper}")
+    split = {k: v for k, v in plan.placements["params"].items() if "@tp" in v}
+    if split:
+        lines.append("tensor parallel (DTensor, parallelize_module):")
+        for fqn, placement in sorted(split.items()):
+            style = ("ColwiseParallel" if placement.startswith("Shard(0)") else "RowwiseParallel")
+            lines.append(f"  {fqn:<48} {placement:<14} {style}")
+    for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
+        if mode != "none":
+            lines.append(f"recompute {mode:<9} {block['name']}")
+    return "\n".join(lines) + "\n"
+
+
+def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path
+                     ) -> Path:
+    """Write ``out_dir`` (atomically: a failure leaves nothing behind) and return it.
+
+    ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
+    whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
+    """
+    plan.validate()
+    source = describe_source(model)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
+        raise PlanError(f"{out} exists and is not an autopar artifact; choose an empty or new "
+                        f"--out directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}."))
+    try:
+        plan.save(tmp / "plan.yaml")
+        manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
+                    "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
+                    "model": source}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (tmp / "recipe.txt").write_text(recipe_text(plan))
+        if out.exists():
+            keep = out / "logs", out / "checkpoints"
+            for item in keep:
+                if item.exists():
+                    shutil.move(str(item), tmp / item.name)
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_artifact(directory: str | Path) -> tuple[dict, Plan]:
+    """(manifest, plan) of an artifact directory, checked for version and consistency."""
+    d = Path(directory)
+    manifest_path = d / "manifest.json"
+    if not manifest_path.is_file():
+        raise PlanError(f"{d} is not an autopar artifact (no manifest.json); create one with "
+                        f"`autopar compile MODEL --devices N --out {d}`")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{manifest_path} is corrupt ({exc.msg}); re-run autopar compile") \
+            from None
+    if manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise PlanError(f"{manifest_path} has manifest version "
+                        f"{manifest.get('manifest_version')!r}, this autopar reads "
+                        f"{MANIFEST_VERSION}; re-run autopar compile")
+    plan = Plan.load(d / "plan.yaml")
+    if plan.devices != manifest.get("devices"):
+        raise PlanError(f"{d}: plan.yaml is for {plan.devices} devices but the manifest says "
+                        f"{manifest.get('devices')}; re-run autopar compile")
+    return manifest, plan

@@ -1,0 +1,51 @@
+"""``autopar compile`` then ``torchrun -m autopar run`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .test_inspect import _assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), "-m", "autopar", *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_compile_then_run_under_torchrun(tmp_path) -> None:
+    art = tmp_path / "art"
+    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+                   "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    assert {p.name for p in art.iterdir()} == {"plan.yaml", "manifest.json", "recipe.txt"}
+    assert "fully_shard" in (art / "recipe.txt").read_text()
+    result = _torchrun(2, "run", str(art), "--steps", "3", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (art / "logs" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+               for r in records)
+
+
+def test_run_refuses_a_world_size_that_is_not_the_plans(tmp_path) -> None:
+    art = tmp_path / "art"
+    assert run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--constraints",
+                   "dp=2,pp=1", "--out", str(art), "-q").returncode == 0
+    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu"),
+                           "torchrun --nproc-per-node 2")
+    assert not (art / "logs").exists()  # nothing started
+
+
+def test_run_bad_artifacts(tmp_path) -> None:
+    _assert_one_line_error(run_cli("run", str(tmp_path)), "not an autopar artifact")
+    (tmp_path / "manifest.json").write_text("{broken")
+    _assert_one_line_error(run_cli("run", str(tmp_path)), "corrupt")
+    (tmp_path / "manifest.json").write_text(json.dumps({"manifest_version": 99}))
+    _assert_one_line_error(run_cli("run", str(tmp_path)), "manifest version")
