@@ -32,13 +32,18 @@ def _device_type(cluster: str, override: str | None) -> str:
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--device", type=click.Choice(sorted(_BACKENDS)), default=None,
               help="Device type [default: the plan cluster's].")
+@click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Save DIR/checkpoints every N steps (and always at the end).")
+@click.option("--resume", is_flag=True,
+              help="Continue from the latest checkpoint in DIR/checkpoints (any plan's).")
 def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
-            device: str | None) -> None:
+            device: str | None, checkpoint_every: int, resume: bool) -> None:
     """Train the artifact in DIRECTORY; one JSON line per step goes to DIR/logs/train.jsonl.
 
     \b
     Examples:
       torchrun --nproc-per-node 4 -m autopar run autopar-tiny-llama-4 --steps 20 --device cpu
+      torchrun --nproc-per-node 2 -m autopar run DIR --steps 10 --resume   # after re-planning
       torchrun --nnodes 2 --nproc-per-node 8 ... -m autopar run DIR --steps 1000
     """
     from pathlib import Path
@@ -63,7 +68,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     try:
         log = Path(directory) / "logs" / "train.jsonl"
         trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log)
-        losses = trainer.train(steps)
+        ckpt = Path(directory) / "checkpoints"
+        if resume:
+            trainer.resume(ckpt)
+        losses = trainer.train(steps, checkpoint_dir=ckpt, checkpoint_every=checkpoint_every)
         if trainer.rank == 0:
             click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
                        f"{losses[-1]:.4f}; log {log}")

@@ -123,8 +123,26 @@ class Trainer:
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
         return value
 
-    def train(self, steps: int) -> list[float]:
-        return [self.train_step() for _ in range(steps)]
+    def train(self, steps: int, checkpoint_dir: str | Path | None = None,
+              checkpoint_every: int = 0) -> list[float]:
+        """Run ``steps`` steps; save a checkpoint every ``checkpoint_every`` steps and at the
+        end when ``checkpoint_dir`` is given."""
+        from autopar.runtime.checkpoint import save_checkpoint
+
+        losses = []
+        for i in range(steps):
+            losses.append(self.train_step())
+            last = i == steps - 1
+            if checkpoint_dir and (last or (checkpoint_every and
+                                            self.step_index % checkpoint_every == 0)):
+                save_checkpoint(self, checkpoint_dir)
+        return losses
+
+    def resume(self, checkpoint_dir: str | Path) -> int:
+        """Continue from the latest complete checkpoint (saved under any plan)."""
+        from autopar.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, checkpoint_dir)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
-            seed: int, out) -> None:
+            seed: int, out, checkpoint_dir: str | None = None, resume: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -31,7 +31,9 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))
         trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=seed)
-        losses = trainer.train(steps)
+        if resume:
+            trainer.resume(checkpoint_dir)
+        losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
         sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
                       and any(pl.is_shard() for pl in p.placements))
         if world > 1:
@@ -45,7 +47,8 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
             dist.destroy_process_group()
 
 
-def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0
+def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
+              checkpoint_dir: str | None = None, resume: bool = False
               ) -> tuple[list[float], int]:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
     many of its parameters are sharded DTensors)."""
@@ -54,7 +57,8 @@ def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: floa
     world = plan.devices
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, source, plan.to_dict(), steps,
-                                               seed, out), daemon=True) for r in range(world)]
+                                               seed, out, checkpoint_dir, resume), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
