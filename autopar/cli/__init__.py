@@ -8,6 +8,7 @@ import click
 
 from autopar.cli.common import fail_message
 from autopar.cli.compile_cmd import compile_cmd
+from autopar.cli.data_cmd import data_group
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
 from autopar.cli.run_cmd import run_cmd
@@ -33,6 +34,7 @@ cli.add_command(inspect_cmd)
 cli.add_command(compile_cmd)
 cli.add_command(run_cmd)
 cli.add_command(profile_cmd)
+cli.add_command(data_group)
 
 
 def main(argv: list[str] | None = None) -> None:

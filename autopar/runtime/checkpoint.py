@@ -34,6 +34,9 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     """Save model, optimizer, LR schedule and step; every rank calls it."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    if getattr(trainer, "pipe", None) is not None:
+        raise PlanError("checkpoints of pipeline-parallel runs are not supported yet; plan "
+                        "with pp=1 to checkpoint")
     if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
         raise PlanError("checkpoints of ZeRO-1 (ZeroRedundancyOptimizer) runs are not supported "
                         "yet; plan with zero_stage 0, 2 or 3")

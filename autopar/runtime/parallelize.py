@@ -65,13 +65,18 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> 
     return sorted(styles)
 
 
-def apply_recompute(model: nn.Module, plan: Plan) -> None:
+def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) -> None:
     """Wrap each block's module as the plan says: full = the whole layer, selective = its
-    attention submodule."""
+    attention submodule. ``skip_missing`` for a pipeline stage that holds some layers."""
     for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
         name = block["name"]
         if mode == "none" or name in ("head", "tail", "root"):
             continue
+        if skip_missing:
+            try:
+                model.get_submodule(name)
+            except AttributeError:
+                continue
         target = name
         if mode == "selective":
             layer = model.get_submodule(name)

@@ -29,7 +29,15 @@ def _vocab(model: nn.Module) -> int:
 
 
 def _logits(out: object) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a micro-batch (fp32)."""
+    logits = _full(_logits(output))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -51,15 +59,18 @@ class Trainer:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
                             f"are running; launch with torchrun --nproc-per-node "
                             f"{plan.devices} (or re-plan for {world})")
-        if plan.mesh["pp"] > 1 or plan.mesh["ep"] > 1:
-            raise PlanError("pipeline and expert parallelism are not in the runtime yet; "
-                            "re-plan with constraints pp=1,ep=1")
+        if plan.mesh["ep"] > 1:
+            raise PlanError("expert parallelism is not in the runtime yet; re-plan with "
+                            "constraints ep=1")
+        if plan.mesh["pp"] > 1 and plan.mesh["tp"] > 1:
+            raise PlanError("pipeline x tensor parallelism is not in the runtime yet; re-plan "
+                            "with pp=1 or tp=1")
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = build_from_source(source, seed, device)
         self.vocab = _vocab(model)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
-        self.dp_rank, dp_mesh = 0, None
+        self.dp_rank, dp_mesh, self.pipe = 0, None, None
         if world > 1:
             from autopar.runtime.mesh import build_mesh
 
@@ -68,8 +79,13 @@ class Trainer:
             self.dp_rank = dp_mesh.get_local_rank()
             if plan.mesh["tp"] > 1:
                 apply_tensor_parallel(model, plan, mesh["tp"])
-        apply_recompute(model, plan)
-        self.model, zero1 = apply_data_parallel(model, plan, dp_mesh)
+        if plan.mesh["pp"] > 1:
+            model = self._pipeline(model, plan, mesh, device, dp_mesh)
+            zero1 = False
+        else:
+            apply_recompute(model, plan)
+            model, zero1 = apply_data_parallel(model, plan, dp_mesh)
+        self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -85,6 +101,35 @@ class Trainer:
         self.log_path = Path(log_path) if log_path else None
         self.step_index = 0
 
+    def _pipeline(self, model: nn.Module, plan: Plan, mesh, device: str, dp_mesh) -> nn.Module:
+        """Split into this rank's stage modules and wrap them; returns them as one ModuleList."""
+        from autopar.runtime.pipeline import build_pipeline, tied_copies
+
+        self.tied = tied_copies(model)
+        example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
+        stages, self.pipe, modules = build_pipeline(model, plan, mesh["pp"], device, example,
+                                                    _lm_loss)
+        self.pp_group = mesh["pp"].get_group()
+        for module in modules:
+            apply_recompute(module, plan, skip_missing=True)
+            if plan.mesh["dp"] > 1:
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        return nn.ModuleList(modules)
+
+    def _pipeline_step(self, mine: torch.Tensor) -> torch.Tensor:
+        from autopar.runtime.pipeline import sync_tied_grads
+
+        losses: list[torch.Tensor] = []
+        self.pipe.step(mine[:, :-1], target=mine[:, 1:], losses=losses)
+        total = torch.stack([loss.detach() for loss in losses]).mean() if losses \
+            else torch.zeros(())
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
+        if self.tied:
+            sync_tied_grads(list(self.model), self.tied, self.pp_group)
+        return total
+
     def train_step(self) -> float:
         """One optimizer step on the next global batch; returns the global mean loss."""
         plan = self.plan
@@ -94,15 +139,17 @@ class Trainer:
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
         mine = tokens[self.dp_rank * per_replica:(self.dp_rank + 1) * per_replica]
         m, b = plan.num_microbatches, plan.microbatch_size
-        total = torch.zeros(())
-        for i in range(m):
-            chunk = mine[i * b:(i + 1) * b]
-            logits = _logits(self.model(chunk[:, :-1]))
-            loss = F.cross_entropy(_full(logits).flatten(0, 1).float(), chunk[:, 1:].flatten())
-            (loss / m).backward()
-            total += loss.detach() / m
+        if self.pipe is not None:
+            total = self._pipeline_step(mine)
+        else:
+            total = torch.zeros(())
+            for i in range(m):
+                chunk = mine[i * b:(i + 1) * b]
+                loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
+                (loss / m).backward()
+                total += loss.detach() / m
         if self.grad_clip:
-            clip_grad_norm(self.model.parameters(), self.grad_clip)
+            self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
@@ -122,6 +169,15 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
         return value
+
+    def _clip(self) -> None:
+        if self.pipe is None:
+            clip_grad_norm(self.model.parameters(), self.grad_clip)
+            return
+        # one copy of each tied parameter counts, and the norm spans every stage
+        params = [p for n, p in self.model.named_parameters()
+                  if n.split(".", 1)[1] not in self.tied]
+        clip_grad_norm(params, self.grad_clip, self.pp_group, scale=list(self.model.parameters()))
 
     def train(self, steps: int, checkpoint_dir: str | Path | None = None,
               checkpoint_every: int = 0) -> list[float]:
@@ -145,10 +201,12 @@ class Trainer:
         return load_checkpoint(self, checkpoint_dir)
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, group=None, scale=None) -> torch.Tensor:
     """Clip by the norm over the whole mesh. Works when some gradients are DTensors (tensor-
     parallel or fully-sharded) and others plain tensors, which torch's clip_grad_norm_ refuses:
-    a DTensor's norm reduces over its shards."""
+    a DTensor's norm reduces over its shards. ``group`` sums the squares over pipeline stages;
+    ``scale`` lists the parameters to rescale when it differs from those measured."""
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float32)
     for g in grads:
@@ -156,8 +214,13 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         squares = squares + norm.to(squares.device) ** 2
+    if group is not None:
+        dist.all_reduce(squares, group=group)
     total = squares.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale_factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if scale is not None:
+        grads = [p.grad for p in scale if p.grad is not None]
+    scale = scale_factor
     for g in grads:
         g.mul_(scale.to(g.device) if not hasattr(g, "device_mesh") else scale.item())
     return total

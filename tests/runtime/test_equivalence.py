@@ -95,3 +95,32 @@ def test_world_size_mismatch_is_refused_before_work(gpt) -> None:
     source, graph = gpt
     with pytest.raises(autopar.PlanError, match="torchrun --nproc-per-node 2"):
         Trainer(source, _plan(graph, 2, dp=2, microbatch_size=1), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gpt4():
+    cfg = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_layers=4, n_heads=4)
+    model = GPT(cfg)  # tied embedding and head: the pipeline must sum the copies' gradients
+    source, graph = describe_source(model), autopar.capture(model, token_inputs(1, 32))
+    reference, _ = run_ranks(source, _plan(graph, 1, microbatch_size=1, num_microbatches=4),
+                             STEPS)
+    return source, graph, reference
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def test_pipeline_schedules_match_single_process(gpt4, schedule: str) -> None:
+    source, graph, reference = gpt4
+    plan = _plan(graph, 2, pp=2, dp=1, tp=1, microbatch_size=1, num_microbatches=4,
+                 schedule=schedule)
+    assert plan.schedule == schedule
+    losses, _ = run_ranks(source, plan, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.parametrize("pins", [dict(pp=2, dp=2, zero_stage=3, num_microbatches=2),
+                                  dict(pp=4, dp=1, num_microbatches=4)], ids=["pp2xdp2", "pp4"])
+def test_pipeline_combinations_match_single_process(gpt4, pins: dict) -> None:
+    source, graph, reference = gpt4
+    plan = _plan(graph, 4, tp=1, microbatch_size=1, schedule="1f1b", **pins)
+    losses, _ = run_ranks(source, plan, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-4)

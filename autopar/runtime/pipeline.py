@@ -1,0 +1,125 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model is traced and split into
+stage modules at the plan's block boundaries, and run by the plan's schedule."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.errors import PlanError
+from autopar.plan import Plan
+
+_LAYERLESS = ("head", "tail", "root")
+
+
+def chunk_ranges(plan: Plan) -> list[tuple[int, int]]:
+    """Block ranges of the pipeline chunks: the plan's stages, each cut in ``virtual_stages``
+    parts for the interleaved schedule (chunk c runs on rank c % pp)."""
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    out = []
+    for start, end in plan.stages:
+        n = end - start
+        if n < v:
+            raise PlanError(f"stage {start}-{end} has fewer blocks than virtual_stages={v}")
+        cuts = [start + (n * k) // v for k in range(v + 1)]
+        out.extend((cuts[k], cuts[k + 1]) for k in range(v))
+    if v > 1:  # chunk order: rank r holds chunks r, r + pp, ... of the model's sequence
+        pp = len(plan.stages)
+        out = [out[r * v + k] for k in range(v) for r in range(pp)]
+        out.sort()
+    return out
+
+
+def split_spec(plan: Plan, chunks: list[tuple[int, int]]) -> dict:
+    from torch.distributed.pipelining import SplitPoint
+
+    blocks = [b["name"] for b in plan.model["blocks"]]
+    spec = {}
+    for start, _ in chunks[1:]:
+        name = blocks[start]
+        if name not in _LAYERLESS:
+            spec[name] = SplitPoint.BEGINNING
+        elif name == "tail" and blocks[start - 1] not in _LAYERLESS:
+            spec[blocks[start - 1]] = SplitPoint.END
+        else:
+            raise PlanError(f"cannot start a pipeline stage at block '{name}'; move the stage "
+                            f"boundary onto a layer")
+    return spec
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble}[name]
+
+
+def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: str,
+                   example: torch.Tensor, loss_fn) -> tuple[list, object, list[nn.Module]]:
+    """(this rank's PipelineStages, the schedule, their modules)."""
+    from torch.distributed.pipelining import pipeline
+
+    chunks = chunk_ranges(plan)
+    kwargs = {"use_cache": False} if hasattr(model, "config") else None
+    pipe = pipeline(model, mb_args=(example,), mb_kwargs=kwargs,
+                    split_spec=split_spec(plan, chunks))
+    if pipe.num_stages != len(chunks):
+        raise PlanError(f"splitting the model gave {pipe.num_stages} stages, the plan needs "
+                        f"{len(chunks)}")
+    pp, rank = plan.mesh["pp"], pp_mesh.get_local_rank()
+    indices = [i for i in range(len(chunks)) if i % pp == rank]
+    group = pp_mesh.get_group()
+    stages = [pipe.build_stage(i, torch.device(device), group) for i in indices]
+    cls = _schedule_class(plan.schedule)
+    multi = plan.schedule in ("interleaved", "zero_bubble")
+    schedule = cls(stages if multi else stages[0], n_microbatches=plan.num_microbatches,
+                   loss_fn=loss_fn)
+    return stages, schedule, [s.submod for s in stages]
+
+
+def tied_copies(original: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """alias FQN -> (canonical FQN, shape) of tied parameters: the pipeline gives each stage
+    its own copy, so their gradients must be summed across stages."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in original.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = (first[id(p)], tuple(p.shape))
+        else:
+            first[id(p)] = name
+    return out
+
+
+def sync_tied_grads(modules: list[nn.Module], tied: dict, pp_group) -> None:
+    """Make every copy's gradient the sum over copies (Megatron's embedding/LM-head all-reduce
+    between the first and last stage). Every pp rank joins; holders contribute."""
+    for alias, (canonical, shape) in sorted(tied.items()):
+        grads = []
+        for module in modules:
+            params = dict(module.named_parameters())
+            for name in (alias, canonical):
+                p = params.get(name)
+                if p is not None:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+        # fully_shard splits the copies over dp: sum full gradients, then take each shard back
+        total = torch.zeros(shape)
+        for g in grads:
+            total += g.full_tensor() if hasattr(g, "full_tensor") else g
+        dist.all_reduce(total, group=pp_group)
+        for g in grads:
+            if hasattr(g, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+
+                g.to_local().copy_(distribute_tensor(total, g.device_mesh, g.placements)
+                                   .to_local())
+            else:
+                g.copy_(total)
