@@ -26,7 +26,8 @@ def _device_type(cluster: str, override: str | None) -> str:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
 @click.option("--data", default="synthetic", show_default=True,
-              help="'synthetic' (deterministic random tokens).")
+              help="'synthetic' (deterministic random tokens) or a token dataset PREFIX from "
+                   "`autopar data prepare`.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the weights and the synthetic data.")
 @click.option("--lr", default=1e-3, show_default=True, type=float)
@@ -55,8 +56,6 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     from autopar.runtime import Trainer
 
     manifest, plan = load_artifact(directory)
-    if data != "synthetic":
-        raise PlanError(f"--data {data}: only 'synthetic' is available in this version")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
@@ -67,7 +66,8 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     finished = False
     try:
         log = Path(directory) / "logs" / "train.jsonl"
-        trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log)
+        trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log,
+                          data=data)
         ckpt = Path(directory) / "checkpoints"
         if resume:
             trainer.resume(ckpt)

@@ -93,18 +93,31 @@ def apply_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
                         ) -> tuple[nn.Module, bool]:
     """DDP for ZeRO 0/1 (with a sharded optimizer for 1) without tensor parallelism, else
     fully_shard: ZeRO-2 keeps parameters gathered after the forward, ZeRO-3 reshards them.
+    Optimizer or parameter offload uses fully_shard's CPU offload policy (also with dp = 1).
 
     Returns (model, use_zero_redundancy_optimizer).
     """
+    offload = {"optimizer", "params"} & set(plan.offload)
     if dp_mesh is None or plan.mesh["dp"] == 1:
-        return model, False
-    if plan.mesh["tp"] == 1 and plan.zero_stage <= 1:
+        if not offload:
+            return model, False
+    if plan.mesh["tp"] == 1 and plan.zero_stage <= 1 and not offload:
         ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
         return ddp, plan.zero_stage == 1
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     reshard = plan.zero_stage == 3
+    # FSDP2 offloads parameters, gradients and the optimizer step together; pinned memory
+    # needs an accelerator, so it is pinned only where one exists
+    policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
     for name in _layer_names(plan):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard,
+                    offload_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
     return model, False
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -14,7 +14,6 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.runtime.data import synthetic_batch
 from autopar.runtime.parallelize import (
     apply_data_parallel,
     apply_recompute,
@@ -53,7 +52,7 @@ class Trainer:
 
     def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, data: str = "synthetic") -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
@@ -62,6 +61,9 @@ class Trainer:
         if plan.mesh["ep"] > 1:
             raise PlanError("expert parallelism is not in the runtime yet; re-plan with "
                             "constraints ep=1")
+        if plan.sequence_parallel and plan.mesh["tp"] > 1:
+            raise PlanError("sequence parallelism is not in the runtime yet; re-plan with "
+                            "constraints sequence_parallel=false")
         if plan.mesh["pp"] > 1 and plan.mesh["tp"] > 1:
             raise PlanError("pipeline x tensor parallelism is not in the runtime yet; re-plan "
                             "with pp=1 or tp=1")
@@ -70,6 +72,9 @@ class Trainer:
         model = build_from_source(source, seed, device)
         self.vocab = _vocab(model)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
+        from autopar.runtime.dataset import open_source
+
+        self.data = open_source(data, self.vocab)  # bad data fails before any parallel setup
         self.dp_rank, dp_mesh, self.pipe = 0, None, None
         if world > 1:
             from autopar.runtime.mesh import build_mesh
@@ -134,10 +139,10 @@ class Trainer:
         """One optimizer step on the next global batch; returns the global mean loss."""
         plan = self.plan
         start = time.perf_counter()
-        tokens = synthetic_batch(self.step_index, self.seed, plan.global_batch, self.seq,
-                                 self.vocab)
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
-        mine = tokens[self.dp_rank * per_replica:(self.dp_rank + 1) * per_replica]
+        # each data-parallel rank reads only its rows of this step's global batch
+        mine = self.data.rows(self.step_index, plan.global_batch, self.seq, self.seed,
+                              self.dp_rank * per_replica, per_replica)
         m, b = plan.num_microbatches, plan.microbatch_size
         if self.pipe is not None:
             total = self._pipeline_step(mine)
@@ -145,7 +150,8 @@ class Trainer:
             total = torch.zeros(())
             for i in range(m):
                 chunk = mine[i * b:(i + 1) * b]
-                loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
+                with self._activation_offload():
+                    loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
                 (loss / m).backward()
                 total += loss.detach() / m
         if self.grad_clip:
@@ -169,6 +175,14 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
         return value
+
+    def _activation_offload(self):
+        """save_on_cpu keeps saved activations in host memory when the plan offloads them."""
+        import contextlib
+
+        if "activations" in self.plan.offload:
+            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return contextlib.nullcontext()
 
     def _clip(self) -> None:
         if self.pipe is None:

@@ -17,7 +17,8 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
-            seed: int, out, checkpoint_dir: str | None = None, resume: bool = False) -> None:
+            seed: int, out, checkpoint_dir: str | None = None, resume: bool = False,
+            data: str = "synthetic") -> None:
     import torch
     import torch.distributed as dist
 
@@ -30,7 +31,7 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))
-        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=seed)
+        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=seed, data=data)
         if resume:
             trainer.resume(checkpoint_dir)
         losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
@@ -48,7 +49,7 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
 
 
 def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
-              checkpoint_dir: str | None = None, resume: bool = False
+              checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic"
               ) -> tuple[list[float], int]:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
     many of its parameters are sharded DTensors)."""
@@ -57,7 +58,8 @@ def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: floa
     world = plan.devices
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, source, plan.to_dict(), steps,
-                                               seed, out, checkpoint_dir, resume), daemon=True)
+                                               seed, out, checkpoint_dir, resume, data),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -58,8 +58,13 @@ GPT_CASES = {
     "dp2 full recompute": dict(dp=2, zero_stage=0, microbatch_size=1, recompute="full"),
     "dp2 selective recompute": dict(dp=2, zero_stage=3, microbatch_size=1,
                                     recompute="selective"),
-    "tp2": dict(tp=2, dp=1, microbatch_size=2),
-    "tp2 recompute": dict(tp=2, dp=1, microbatch_size=2, recompute="full"),
+    "dp2 zero3 offload optimizer+params": dict(dp=2, zero_stage=3, microbatch_size=1,
+                                               offload=["optimizer", "params"]),
+    "dp2 offload activations": dict(dp=2, zero_stage=2, microbatch_size=1,
+                                    offload=["activations", "optimizer"]),
+    "tp2": dict(tp=2, dp=1, microbatch_size=2, sequence_parallel=False),
+    "tp2 recompute": dict(tp=2, dp=1, microbatch_size=2, recompute="full",
+                          sequence_parallel=False),
 }
 
 
@@ -80,7 +85,8 @@ def test_gpt_matches_single_process(gpt, gpt_reference, case: str) -> None:
 def test_tiny_llama_tp2_x_dp2_zero3_matches_single_process(llama) -> None:
     source, graph = llama
     reference, _ = run_ranks(source, _plan(graph, 1, microbatch_size=2), STEPS)
-    plan = _megatron(_plan(graph, 4, tp=2, dp=2, zero_stage=3, microbatch_size=1),
+    plan = _megatron(_plan(graph, 4, tp=2, dp=2, zero_stage=3, microbatch_size=1,
+                           sequence_parallel=False),
                      ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
                      ("o_proj", "down_proj"))
     losses, sharded = run_ranks(source, plan, STEPS)
