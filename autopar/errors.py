@@ -17,3 +17,9 @@ class InfeasibleError(AutoparError):
 
 class PlanError(AutoparError):
     """A plan file is malformed, of another version, or inconsistent with the model or world."""
+
+
+class RunFailure(AutoparError):
+    """A distributed run lost a process or its network; the CLI exits 1 with this line."""
+
+    exit_code = 1

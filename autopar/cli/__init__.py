@@ -54,5 +54,5 @@ def main(argv: list[str] | None = None) -> None:
         code = 130
     except AutoparError as exc:
         print(fail_message(str(exc), None), file=sys.stderr)
-        code = 2
+        code = getattr(exc, "exit_code", 2)
     sys.exit(code or 0)

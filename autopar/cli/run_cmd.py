@@ -52,7 +52,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     import torch.distributed as dist
 
     from autopar.codegen import load_artifact
-    from autopar.errors import PlanError
+    from autopar.errors import PlanError, RunFailure
     from autopar.runtime import Trainer
 
     manifest, plan = load_artifact(directory)
@@ -71,7 +71,19 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
         ckpt = Path(directory) / "checkpoints"
         if resume:
             trainer.resume(ckpt)
-        losses = trainer.train(steps, checkpoint_dir=ckpt, checkpoint_every=checkpoint_every)
+        try:
+            losses = trainer.train(steps, checkpoint_dir=ckpt, checkpoint_every=checkpoint_every)
+        except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+            if world == 1:
+                raise
+            from autopar.runtime.checkpoint import latest_checkpoint
+
+            last = latest_checkpoint(ckpt)
+            reason = " ".join(str(exc).split())[:200]
+            raise RunFailure(
+                f"rank {trainer.rank} lost its peers at step {trainer.step_index} (a process "
+                f"died or the network failed: {reason}); last complete checkpoint: "
+                f"{last or 'none'}; relaunch with --resume") from None
         if trainer.rank == 0:
             click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
                        f"{losses[-1]:.4f}; log {log}")
