@@ -216,27 +216,42 @@ class Trainer:
 
 
 def clip_grad_norm(params, max_norm: float, group=None, scale=None) -> torch.Tensor:
-    """Clip by the norm over the whole mesh. Works when some gradients are DTensors (tensor-
-    parallel or fully-sharded) and others plain tensors, which torch's clip_grad_norm_ refuses:
-    a DTensor's norm reduces over its shards. ``group`` sums the squares over pipeline stages;
-    ``scale`` lists the parameters to rescale when it differs from those measured."""
+    """Clip by the norm over the whole mesh, with one all-reduce per (mesh, sharded dims).
+
+    Works when some gradients are DTensors (tensor-parallel or fully-sharded) and others plain
+    tensors, which torch's clip_grad_norm_ refuses. A sharded DTensor contributes its local
+    shard's squares, summed over the mesh dimensions it is split on; a replicated one counts
+    once. ``group`` sums the squares over pipeline stages; ``scale`` lists the parameters to
+    rescale when they differ from those measured.
+    """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float32)
+    buckets: dict[tuple, list] = {}
     for g in grads:
-        norm = g.norm(dtype=torch.float32)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        squares = squares + norm.to(squares.device) ** 2
+        if not hasattr(g, "device_mesh"):
+            squares = squares + g.detach().float().pow(2).sum().cpu()
+            continue
+        if any(pl.is_partial() for pl in g.placements):
+            squares = squares + g.full_tensor().float().pow(2).sum().cpu()
+            continue
+        dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+        entry = buckets.setdefault((id(g.device_mesh), dims),
+                                   [torch.zeros((), dtype=torch.float32), g.device_mesh, dims])
+        entry[0] = entry[0] + g.to_local().detach().float().pow(2).sum().cpu()
+    for local, mesh, dims in buckets.values():
+        for dim in dims:
+            dist.all_reduce(local, group=mesh.get_group(dim))
+        squares = squares + local
     if group is not None:
         dist.all_reduce(squares, group=group)
     total = squares.sqrt()
-    scale_factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if scale is not None:
         grads = [p.grad for p in scale if p.grad is not None]
-    scale = scale_factor
-    for g in grads:
-        g.mul_(scale.to(g.device) if not hasattr(g, "device_mesh") else scale.item())
+    if float(factor) < 1.0:
+        for g in grads:
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(float(factor))
     return total
 
 
