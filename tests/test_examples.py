@@ -35,3 +35,12 @@ def test_plan_llama_example(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert "runner-ups" in result.stdout and "pinned tp=8" in result.stdout
     assert (tmp_path / "llama3-70b.plan.yaml").is_file()
+
+
+def test_train_gpt_cpu_example(tmp_path) -> None:
+    out = tmp_path / "art"
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt_cpu.py"), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pipeline:" in (out / "recipe.txt").read_text()
+    assert len((out / "logs" / "train.jsonl").read_text().splitlines()) == 10

@@ -27,7 +27,14 @@ def recipe_text(plan: Plan) -> str:
              f"{plan.devices} ranks, tp innermost",
              f"batch: global {plan.global_batch} -> each data-parallel rank "
              f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"]
-    if m["dp"] > 1:
+    if m["pp"] > 1:
+        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+        lines.append(f"pipeline: torch.distributed.pipelining, {m['pp'] * v} chunks at blocks "
+                     f"{plan.stages} (v={v}), schedule {plan.schedule}")
+    if m["dp"] > 1 and m["pp"] > 1:
+        lines.append(f"data parallel: fully_shard per stage module, reshard_after_forward="
+                     f"{plan.zero_stage == 3}")
+    elif m["dp"] > 1:
         wrapper = ("DistributedDataParallel" + (" + ZeroRedundancyOptimizer (ZeRO-1)"
                                                  if plan.zero_stage == 1 else "")
                    if m["tp"] == 1 and plan.zero_stage <= 1 else

@@ -176,6 +176,13 @@ class Trainer:
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
         return value
 
+    @property
+    def checkpointable(self) -> bool:
+        """Whether this run's state can be saved (not yet for pipeline or ZeRO-1 runs)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return self.pipe is None and not isinstance(self.optimizer, ZeroRedundancyOptimizer)
+
     def _activation_offload(self):
         """save_on_cpu keeps saved activations in host memory when the plan offloads them."""
         import contextlib
