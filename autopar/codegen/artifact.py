@@ -3,6 +3,7 @@
 DIR/plan.yaml      the plan (the only thing the runtime reads to decide parallelism)
 DIR/manifest.json  how to rebuild the model on every rank, the world size, versions
 DIR/recipe.txt     what the runtime applies, module by module (for humans and diffs)
+DIR/programs/      per pipeline stage: its ranks, its collectives each step, its FX code
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
                     "model": source}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (tmp / "recipe.txt").write_text(recipe_text(plan))
+        from autopar.codegen.programs import program_dumps
+
+        (tmp / "programs").mkdir()
+        for name, text in program_dumps(source, plan).items():
+            (tmp / "programs" / name).write_text(text)
         if out.exists():
             keep = out / "logs", out / "checkpoints"
             for item in keep:
