@@ -24,9 +24,6 @@ class TPLayout:
     row: list[str] = field(default_factory=list)  # row-parallel linears (all-reduce after)
     sharded: set[str] = field(default_factory=set)  # ops whose outputs are split over tp
 
-    def linear_divisor(self, name: str, tp: int) -> int:
-        return tp if name in self.column or name in self.row else 1
-
 
 _cache: weakref.WeakKeyDictionary[Graph, dict[int, TPLayout]] = weakref.WeakKeyDictionary()
 # layouts chosen by the search (autopar.search.sharding), per (block type, tp degree), as

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from autopar.cost.profile_comm import free_port
 
 
 def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
