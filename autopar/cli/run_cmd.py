@@ -69,13 +69,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
         trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log,
                           data=data)
         ckpt = Path(directory) / "checkpoints"
-        if (resume or checkpoint_every) and not trainer.checkpointable:
-            raise PlanError("checkpoints of pipeline-parallel and ZeRO-1 runs are not supported "
-                            "yet; drop --resume/--checkpoint-every or re-plan with pp=1")
         if resume:
             trainer.resume(ckpt)
         try:
-            losses = trainer.train(steps, checkpoint_dir=ckpt if trainer.checkpointable else None,
+            losses = trainer.train(steps, checkpoint_dir=ckpt,
                                    checkpoint_every=checkpoint_every)
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
             if world == 1:

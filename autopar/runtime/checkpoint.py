@@ -4,6 +4,13 @@ Layout: CKPT_DIR/step_000004/ (DCP files + meta.json) and CKPT_DIR/latest (the n
 last complete one). A checkpoint is written to step_N.partial and renamed only after every
 rank has finished, and `latest` is replaced atomically after that: a half-written checkpoint
 never shadows the last good one.
+
+Every plan writes the same keys: ``model.<fqn>`` for the original model's state_dict and
+``optim.state.<fqn>.<name>`` / ``optim.param_groups.<fqn>.<name>`` for the optimizer
+(get_state_dict with ``flatten_optimizer_state_dict``: one entry per parameter, so ranks that
+hold different parameters - pipeline stages, ZeRO-1 partitions - each write their own and DCP
+merges them). A pipeline stage's FQNs lose their ModuleList index; the optimizer state of a
+tied parameter is stored once, under its first name, as get_state_dict does for the whole model.
 """
 
 from __future__ import annotations
@@ -12,13 +19,26 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from autopar.errors import PlanError
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from autopar.runtime.trainer import Trainer
+
+LAYOUT = 2  # 1: unflattened optimizer state (param_groups by index), before pp/ZeRO-1 support
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _barrier() -> None:
@@ -30,16 +50,80 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_checkpoint(trainer, directory: str | Path) -> Path:
-    """Save model, optimizer, LR schedule and step; every rank calls it."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _zero1(trainer: Trainer) -> ZeroRedundancyOptimizer | None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F811
 
-    if getattr(trainer, "pipe", None) is not None:
-        raise PlanError("checkpoints of pipeline-parallel runs are not supported yet; plan "
-                        "with pp=1 to checkpoint")
-    if isinstance(trainer.optimizer, ZeroRedundancyOptimizer):
-        raise PlanError("checkpoints of ZeRO-1 (ZeroRedundancyOptimizer) runs are not supported "
-                        "yet; plan with zero_stage 0, 2 or 3")
+    opt = trainer.optimizer
+    return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
+
+
+def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+    for s, d in zip(src, dst, strict=True):
+        d.update({k: v for k, v in s.items() if k != "params"})
+
+
+def _rank_optimizer(trainer: Trainer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: a ZeRO-1 rank's partition, else the whole one."""
+    zero = _zero1(trainer)
+    if zero is None:
+        return trainer.optimizer
+    # the LR schedule updates the wrapper's groups; the partition's copy lags until its next step
+    _copy_hyperparameters(zero.param_groups, zero.optim.param_groups)
+    return zero.optim
+
+
+def _disk_keys(trainer: Trainer, local: dict) -> dict[str, list[str]]:
+    """Checkpoint key -> the local keys holding its value (several for tied pipeline copies)."""
+    if trainer.pipe is None:
+        return {key: [key] for key in local}
+    tied = getattr(trainer, "tied", {})
+    fqns = {k[len("model."):] for k in local if k.startswith("model.")}
+    out: dict[str, list[str]] = {}
+    for key in local:
+        part, rest = key.split(".", 1)
+        if part == "model":
+            # drop the stage's ModuleList index; every name of a tied weight stays, as in the
+            # model's own state_dict
+            disk = f"model.{rest.split('.', 1)[1]}"
+        else:
+            section, tail = rest.split(".", 1)
+            # the parameter's FQN is the longest key prefix the model has (names contain dots)
+            cut = max(i for i in range(len(tail)) if tail[i] == "." and tail[:i] in fqns)
+            name = tail[:cut].split(".", 1)[1]
+            disk = f"optim.{section}.{tied.get(name, (name,))[0]}{tail[cut:]}"
+        out.setdefault(disk, []).append(key)
+    return out
+
+
+def _local_state(trainer: Trainer, options: StateDictOptions = _FLAT
+                 ) -> tuple[torch.optim.Optimizer, dict[str, object]]:
+    """(the optimizer this rank loads into, its state as {"model.<fqn>" / "optim.<key>": value})."""
+    optim = _rank_optimizer(trainer)
+    model_sd, optim_sd = get_state_dict(trainer.model, optim, options=options)
+    local: dict[str, object] = {f"model.{k}": v for k, v in model_sd.items()}
+    local.update({f"optim.{k}": v for k, v in optim_sd.items()})
+    return optim, local
+
+
+def _split(local: dict[str, object]) -> tuple[dict, dict]:
+    model_sd = {k[len("model."):]: v for k, v in local.items() if k.startswith("model.")}
+    optim_sd = {k[len("optim."):]: v for k, v in local.items() if k.startswith("optim.")}
+    return model_sd, optim_sd
+
+
+def _param_names(keys) -> list[str]:
+    """The model's FQNs (from checkpoint keys) over all ranks: a pipeline rank holds only its
+    stages'."""
+    names = {k[len("model."):] for k in keys if k.startswith("model.")}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(names))
+        names = set().union(*gathered)
+    return sorted(names)
+
+
+def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
+    """Save model, optimizer, LR schedule and step; every rank calls it."""
     root = Path(directory)
     name = f"step_{trainer.step_index:06d}"
     partial = root / f"{name}.partial"
@@ -47,12 +131,14 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    _, local = _local_state(trainer)
+    keys = _disk_keys(trainer, local)
+    names = _param_names(keys)
+    dcp.save({disk: local[held[0]] for disk, held in keys.items()}, checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
         meta = {"step": trainer.step_index, "schedule": trainer.schedule.state_dict(),
-                "seed": trainer.seed, "param_names": sorted(model_sd)}
+                "seed": trainer.seed, "param_names": names, "layout": LAYOUT}
         (partial / "meta.json").write_text(json.dumps(meta))
         final = root / name
         shutil.rmtree(final, ignore_errors=True)
@@ -65,6 +151,7 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The last complete checkpoint in ``directory``, or None."""
     root = Path(directory)
     pointer = root / "latest"
     if not pointer.is_file():
@@ -73,7 +160,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return path if (path / "meta.json").is_file() else None
 
 
-def load_checkpoint(trainer, directory: str | Path) -> int:
+def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:
     """Load the latest checkpoint into ``trainer`` (resharding to its plan); returns its step.
 
     A checkpoint of another model is refused before anything is changed.
@@ -82,16 +169,38 @@ def load_checkpoint(trainer, directory: str | Path) -> int:
     if path is None:
         raise PlanError(f"no complete checkpoint in {directory}; train without --resume first")
     meta = json.loads((path / "meta.json").read_text())
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    mine, theirs = sorted(model_sd), meta["param_names"]
+    layout = meta.get("layout", 1)
+    if layout == 1 and (trainer.pipe is not None or _zero1(trainer) is not None):
+        raise PlanError(f"checkpoint {path} predates pipeline/ZeRO-1 checkpoints; resume it "
+                        f"under a plan with pp=1 and zero_stage != 1 first")
+    options = _FLAT if layout == LAYOUT else StateDictOptions()
+    optim, local = _local_state(trainer, options)
+    keys = _disk_keys(trainer, local) if layout == LAYOUT else {k: [k] for k in local}
+    mine, theirs = _param_names(keys), meta["param_names"]
     if mine != theirs:
         missing = sorted(set(theirs) ^ set(mine))[:3]
         raise PlanError(f"checkpoint {path} is of another model (parameters differ, e.g. "
                         f"{missing}); resume with the model it was saved from")
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if layout == 1:
+        state = dict(zip(("model", "optim"), _split(local), strict=True))
+        dcp.load(state, checkpoint_id=str(path))
+        model_sd, optim_sd = state["model"], state["optim"]
+    else:
+        disk = {key: local[held[0]] for key, held in keys.items()}
+        dcp.load(disk, checkpoint_id=str(path))  # tensors in place, other values replaced
+        for key, held in keys.items():
+            for name in held:  # every copy of a tied parameter gets the canonical value
+                value = local[name]
+                if not isinstance(value, torch.Tensor):
+                    local[name] = disk[key]
+                elif value is not disk[key]:
+                    value.copy_(disk[key])
+        model_sd, optim_sd = _split(local)
+    set_state_dict(trainer.model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=options)
+    zero = _zero1(trainer)
+    if zero is not None:  # the loaded learning rates belong on the wrapper the schedule drives
+        _copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
     trainer.schedule.load_state_dict(meta["schedule"])
     trainer.step_index = int(meta["step"])
     torch.manual_seed(trainer.seed + trainer.step_index)
