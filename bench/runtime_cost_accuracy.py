@@ -1,0 +1,179 @@
+"""Cost-model accuracy on autopar's own runtime: predicted vs measured step time of plans.
+
+Each case is an ``autopar.plan`` for a small GPT on 4 gloo processes (pins choose the
+strategy; tensor-parallel cases get Megatron placements, as a plan file may be edited). The
+plan is trained by ``autopar.runtime.Trainer`` for a few steps, one thread per process, and the
+median step time is compared with ``autopar.cost.estimate`` for the same choice in fp32 (the
+runtime trains in fp32 on CPU), calibrated by an ``autopar profile`` of this machine.
+
+Usage: python bench/runtime_cost_accuracy.py [--profile PROFILE.yaml] [--steps 6] [--only NAME]
+(without --profile, a quick 4-process profile is measured first, about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+MODEL = dict(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8)
+GLOBAL_BATCH = 16
+WORLD = 4
+COLUMN, ROW = ("qkv", "fc"), ("attn.proj", "mlp.proj")
+
+# name -> constraints pinned for autopar.plan (4 devices, global batch 16)
+CASES: dict[str, dict] = {
+    "dp4": dict(pp=1, tp=1, dp=4, zero_stage=0, microbatch_size=4, recompute="none"),
+    "dp4 zero3": dict(pp=1, tp=1, dp=4, zero_stage=3, microbatch_size=4, recompute="none"),
+    "dp4 full recompute": dict(pp=1, tp=1, dp=4, zero_stage=0, microbatch_size=4,
+                               recompute="full"),
+    "dp2 tp2": dict(pp=1, tp=2, dp=2, zero_stage=0, microbatch_size=8, recompute="none",
+                    sequence_parallel=False),
+    "tp4": dict(pp=1, tp=4, dp=1, microbatch_size=8, recompute="none", sequence_parallel=False),
+    "pp2 dp2 1f1b": dict(pp=2, tp=1, dp=2, zero_stage=0, microbatch_size=2, schedule="1f1b",
+                         recompute="none"),
+    "pp4 gpipe": dict(pp=4, tp=1, dp=1, microbatch_size=2, schedule="gpipe", recompute="none"),
+    "pp4 1f1b mb4": dict(pp=4, tp=1, dp=1, microbatch_size=4, schedule="1f1b",
+                         recompute="none"),
+}
+
+
+def make_plan(graph, pins: dict):
+    import autopar
+
+    plan = autopar.plan(graph, devices=WORLD, global_batch=GLOBAL_BATCH,
+                        constraints=dict(pins, ep=1, offload=[]))
+    if plan.mesh["tp"] > 1:  # Megatron placements for every linear of the layers
+        params = plan.placements["params"]
+        for fqn in params:
+            if any(fqn.endswith(f".{c}.weight") for c in COLUMN):
+                params[fqn] = "Shard(0)@tp"
+            elif any(fqn.endswith(f".{r}.weight") for r in ROW):
+                params[fqn] = "Shard(1)@tp"
+    return plan
+
+
+def predict(graph, plan, cluster) -> float:
+    """The cost model for the plan's choice with fp32 compute and states (as the runtime)."""
+    from autopar.cost.config import ParallelConfig
+    from autopar.cost.estimate import estimate
+
+    config = ParallelConfig(
+        dp=plan.mesh["dp"], tp=plan.mesh["tp"], pp=plan.mesh["pp"], ep=plan.mesh["ep"],
+        sequence_parallel=plan.sequence_parallel, zero_stage=plan.zero_stage,
+        microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+        schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+        recompute=tuple(plan.recompute), offload=frozenset(plan.offload),
+        stages=tuple(tuple(s) for s in plan.stages), compute_dtype="fp32", param_bytes=4,
+        grad_bytes=4, optimizer_bytes=8)
+    return estimate(graph, cluster, config).step_time_s
+
+
+def _worker(rank: int, port: int, source: dict, plan_dict: dict, steps: int, out) -> None:
+    import torch.distributed as dist
+
+    from autopar.plan import Plan
+    from autopar.runtime import Trainer
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # pipelining's pytree notices
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    try:
+        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=0)
+        times = []
+        for _ in range(steps + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step()
+            times.append(time.perf_counter() - start)
+        dist.barrier()
+        if rank == 0:
+            out.put(("ok", statistics.median(times[2:])))
+    except Exception as exc:  # reported to the parent as text
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(source: dict, plan, steps: int) -> float:
+    from autopar.cost.profile_comm import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, source, plan.to_dict(), steps, out),
+                         daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = out.get(timeout=900)
+    except queue.Empty:
+        payload, status = "no result in 900 s", "error"
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", help="profile YAML from `autopar profile` (default: measure one)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--only", action="append", help="run only these cases (repeatable)")
+    args = ap.parse_args()
+    import autopar
+    from autopar.cost.hardware import load_cluster
+    from autopar.models import GPT, GPTConfig, token_inputs
+    from autopar.runtime.source import describe_source
+
+    path = args.profile
+    if path is None:
+        from autopar.cost.profile import profile_machine, write_profile
+
+        print(f"profiling this machine ({WORLD} processes, quick)...", file=sys.stderr)
+        path = os.path.join(tempfile.mkdtemp(), "profile.yaml")
+        write_profile(profile_machine(nprocs=WORLD, quick=True), path)
+    cluster = load_cluster(path)
+    model = GPT(GPTConfig(**MODEL))
+    source = describe_source(model)
+    names = args.only or list(CASES)
+    rows = []
+    print(f"{'plan (4 processes)':<22} {'predicted s':>11} {'measured s':>10} {'error':>7}")
+    for name in names:
+        pins = CASES[name]
+        mb = pins["microbatch_size"]
+        graph = autopar.capture(model, token_inputs(mb, MODEL["seq_len"]))
+        plan = make_plan(graph, pins)
+        pred, meas = predict(graph, plan, cluster), measure(source, plan, args.steps)
+        err = (pred - meas) / meas
+        rows.append((pred, meas, err))
+        print(f"{name:<22} {pred:>11.3f} {meas:>10.3f} {err:>+7.0%}", flush=True)
+    if len(rows) > 1:
+        preds, meas = [r[0] for r in rows], [r[1] for r in rows]
+        print(f"\nSpearman rank correlation: {spearman(preds, meas):.2f}   "
+              f"median |error|: {statistics.median(abs(r[2]) for r in rows):.0%}   "
+              f"(profile: {path})")
+
+
+if __name__ == "__main__":
+    main()
