@@ -9,8 +9,11 @@ import click
 from autopar.cli.common import fail_message
 from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.data_cmd import data_group
+from autopar.cli.diff_cmd import diff_cmd
+from autopar.cli.explain_cmd import explain_cmd
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
+from autopar.cli.report_cmd import report_cmd
 from autopar.cli.run_cmd import run_cmd
 from autopar.errors import AutoparError
 
@@ -22,16 +25,26 @@ def cli() -> None:
 
     \b
     Examples:
-      autopar compile llama3-8b --devices 64 --global-batch 512   # plan it, write plan.yaml
+      autopar compile llama3-8b --devices 64 --global-batch 512   # plan it, print the report
+      autopar report autopar-llama3-8b-64 --out report.html       # report with plots
+      autopar explain autopar-llama3-8b-64 --block model.layers.3 # why this sharding
+      autopar diff autopar-llama3-8b-64 other-plan                # what changed, its effect
       autopar inspect llama3-8b              # capture a shipped config, print its structure
       autopar inspect ./my-model/config.json --seq 2048
       autopar inspect model.onnx
       autopar profile --quick --out my-box.yaml    # measure this machine, use cluster=my-box.yaml
+      autopar data prepare corpus.txt --out tok    # token dataset for `run --data tok`
+      torchrun --nproc-per-node 2 -m autopar run autopar-tiny-llama-2   # train a plan
     """
 
 
 cli.add_command(inspect_cmd)
 cli.add_command(compile_cmd)
+cli.add_command(report_cmd)
+cli.add_command(diff_cmd)
+cli.add_command(explain_cmd)
+# one line in `autopar --help` (the docstring's first sentence is long)
+run_cmd.short_help = "Train an artifact DIR under torchrun (or as one process)."
 cli.add_command(run_cmd)
 cli.add_command(profile_cmd)
 cli.add_command(data_group)

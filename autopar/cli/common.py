@@ -38,3 +38,66 @@ def capture_model(spec: str, batch: int, seq: int | None, quiet: bool = False):
             model, inputs = load_factory(spec)
             return capture(model, inputs or None)
         return capture(spec, batch=batch, seq=seq)
+
+
+def load_plan(path: str):
+    """A plan file, or an artifact directory holding ``plan.yaml``."""
+    from pathlib import Path
+
+    from autopar.plan import Plan
+
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "plan.yaml").is_file():
+            from autopar.errors import PlanError
+
+            raise PlanError(f"{p} is a directory without plan.yaml; pass a plan file or an "
+                            f"artifact directory from `autopar compile`")
+        p = p / "plan.yaml"
+    return Plan.load(p)
+
+
+_SUFFIX_FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".markdown": "markdown",
+                   ".json": "json", ".txt": "text"}
+
+
+def output_format(fmt: str | None, out: str | None, allowed: tuple[str, ...]) -> str:
+    """``--format`` if given, else what ``--out``'s suffix says (report.html -> html), else text."""
+    if fmt:
+        return fmt
+    if out:
+        from pathlib import Path
+
+        guess = _SUFFIX_FORMATS.get(Path(out).suffix.lower())
+        if guess in allowed:
+            return guess
+    return "text"
+
+
+def check_output_path(out: str) -> None:
+    """Fail before any work when ``--out`` cannot be written."""
+    from pathlib import Path
+
+    from autopar.errors import PlanError
+
+    p = Path(out)
+    if p.is_dir():
+        raise PlanError(f"--out {p} is a directory; give a file name such as {p / 'report.html'}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise PlanError(f"cannot write {p}: folder {parent} does not exist; create it or choose "
+                        f"another --out")
+
+
+def write_output(text: str, out: str | None, quiet: bool) -> None:
+    """Print ``text``, or write it to ``out`` atomically (temp file + rename: an error leaves
+    no partial file) and say where."""
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    from autopar.plan.plan import write_text_atomic
+
+    check_output_path(out)
+    path = write_text_atomic(out, text)
+    if not quiet:
+        click.echo(f"wrote {path}", err=True)

@@ -35,7 +35,7 @@ def _default_out(model: str, devices: int) -> Path:
     return Path(f"autopar-{stem}-{devices}")
 
 
-@click.command("compile")
+@click.command("compile", short_help="Plan MODEL on N devices, print the report, write the artifact.")
 @click.argument("model")
 @click.option("--devices", required=True, type=click.IntRange(min=1), help="Total devices.")
 @click.option("--cluster", default="a100-80g", show_default=True,
@@ -66,11 +66,15 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
     (plan.yaml, manifest.json, recipe.txt) that `autopar run DIR` trains under torchrun.
 
     MODEL is a shipped config name (autopar inspect --list), a Hugging Face config.json or its
-    folder, a Python module:factory, or an .onnx file.
+    folder, a Python module:factory, or an .onnx file. Read the result again with
+    `autopar report DIR`, question it with `autopar explain DIR`, compare two with
+    `autopar diff DIR_A DIR_B`.
 
     \b
     Examples:
       autopar compile llama3-8b --devices 64 --global-batch 512
+      autopar compile llama3-8b --devices 64 --global-batch 512 --constraints tp=8 \\
+          --out llama3-8b-tp8          # pin one choice; then autopar diff the two
       autopar compile llama3-70b --devices 512 --cluster h100-80g --constraints megatron-3d
       autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
@@ -98,5 +102,12 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
     if fmt == "json":
         click.echo(json.dumps({**result.to_dict(), "plan_file": str(path)}, indent=2))
     else:
-        click.echo(result.report())
+        click.echo(result.report(), nl=False)
         click.echo(f"\nwrote {path}")
+        if not quiet:
+            hints = [(f"autopar report {out_dir} --out report.html", "the report with plots"),
+                     (f"autopar explain {out_dir} --block K", "why this sharding"),
+                     (f"autopar diff {out_dir} OTHER_PLAN", "compare two plans")]
+            width = max(len(c) for c, _ in hints)
+            for i, (command, what) in enumerate(hints):
+                click.echo(f"{'next:' if i == 0 else '':<6}{command:<{width}}   # {what}")

@@ -10,9 +10,15 @@ import click
 from autopar.cli.common import progress
 
 
-@click.group("data")
+@click.group("data", short_help="Prepare token datasets for `autopar run --data`.")
 def data_group() -> None:
-    """Prepare training data: text or JSON lines -> PREFIX.bin / PREFIX.idx token files."""
+    """Prepare training data: text or JSON lines -> PREFIX.bin / PREFIX.idx token files.
+
+    \b
+    Examples:
+      autopar data prepare corpus.txt --out data/corpus
+      autopar data prepare --help
+    """
 
 
 @data_group.command("prepare")

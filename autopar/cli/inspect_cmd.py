@@ -9,7 +9,7 @@ import click
 from autopar.cli.common import capture_model
 
 
-@click.command("inspect")
+@click.command("inspect", short_help="Capture MODEL; print parameters, FLOPs, blocks, big tensors.")
 @click.argument("model", default="llama3-8b", required=False)
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
               help="Sequences in the example input.")

@@ -48,7 +48,7 @@ def profile_text(data: dict, path: Path) -> str:
     return "\n".join(lines)
 
 
-@click.command("profile")
+@click.command("profile", short_help="Measure this machine into a catalog YAML (cluster=PATH).")
 @click.option("--out", "out", default="profile.yaml", show_default=True,
               type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Where to write the profile YAML.")

@@ -11,12 +11,34 @@ import yaml
 
 from autopar.errors import PlanError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# version 1 lacks what the report needs beyond the summary (time breakdown, per-stage idle, the
+# runner-ups' breakdowns, bounds, explain); it still loads, and the report says what is missing
+READABLE_VERSIONS = (1, 2)
 
 
 def _round(x: float) -> float:
     """Six significant digits: readable, and stable across runs for byte-identical files."""
     return float(f"{x:.6g}")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see a
+    partial file, and a failure leaves none behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
+                               prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would give, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 @dataclass
@@ -30,6 +52,14 @@ class Predicted:
     bubble_s: float = 0.0
     host_bytes_per_node: float = 0.0
     stages: list[dict] = field(default_factory=list)  # per stage: blocks, times, memory
+    # the step time as terms that add up to it (compute, recompute, comm, bubble, dp_comm,
+    # optimizer, offload), along the bottleneck stage
+    breakdown: dict[str, float] = field(default_factory=dict)
+    pipeline_s: float = 0.0  # the pipelined forward/backward of one step
+    p2p_s: float = 0.0  # one send across the slowest stage boundary
+    optimizer_s: float = 0.0
+    offload_s: float = 0.0
+    model_flops: float = 0.0  # per step, without recompute: the MFU numerator
 
     def __getitem__(self, key: str) -> object:  # plan.predicted["mfu"] works too
         return getattr(self, key)
@@ -63,31 +93,25 @@ class Plan:
     alternatives: list[dict] = field(default_factory=list)
     solver: dict = field(default_factory=dict)
     memory_limit_bytes: float = 0.0
+    # per block type: the alternatives (tp degrees, recompute modes, each op's strategies) and
+    # their costs, for `autopar explain`
+    explain: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """Plain data (what the YAML file holds), ``version`` first."""
         d = asdict(self)
         d = {"version": d.pop("version"), **d}
         return d
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as YAML atomically (a failure leaves no partial file)."""
-        path = Path(path)
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None,
                               width=100)
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                                   prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(f"# autopar plan (format version {PLAN_VERSION}); edit and re-run as you "
-                        f"like: codegen reads only this file\n")
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_text_atomic(path, f"# autopar plan (format version {PLAN_VERSION}); edit "
+                                       f"and re-run as you like: codegen reads only this "
+                                       f"file\n{text}")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -105,12 +129,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: object, where: str = "plan") -> Plan:
+        """A validated Plan from plain data; ``where`` names the source in error messages."""
         if not isinstance(data, dict):
             raise PlanError(f"{where} is not an autopar plan (not a mapping)")
         version = data.get("version")
-        if version != PLAN_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanError(f"{where} has plan format version {version!r}, this autopar reads "
-                            f"version {PLAN_VERSION}; re-run `autopar compile` to re-plan")
+                            f"versions {', '.join(map(str, READABLE_VERSIONS))}; re-run "
+                            f"`autopar compile` to re-plan")
         data = dict(data)
         try:
             predicted = Predicted(**data.pop("predicted"))
@@ -119,6 +145,7 @@ class Plan:
             raise PlanError(f"{where}: missing or unknown field ({exc}); re-plan or restore "
                             f"the field") from None
         plan.validate(where)
+        plan.version = PLAN_VERSION  # upgraded in memory: saving writes the current format
         return plan
 
     def validate(self, where: str = "plan") -> None:
@@ -157,7 +184,9 @@ class Plan:
 
     # -- reading ----------------------------------------------------------------------------
     def report(self, fmt: str = "text") -> str:
-        from autopar.plan.text_report import render
+        """The strategy report: ``"text"``, ``"markdown"``, ``"html"`` (one self-contained
+        file with plots) or ``"json"``."""
+        from autopar.report import render
 
         return render(self, fmt)
 

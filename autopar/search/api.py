@@ -7,12 +7,12 @@ from pathlib import Path
 from torch import nn
 
 from autopar.cost.config import ParallelConfig
-from autopar.cost.estimate import Estimate
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.tp_layout import tp_layout
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph, OpKind
-from autopar.plan.plan import Plan, Predicted, _round
+from autopar.plan.plan import Plan, _round
+from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.planner import Progress, SearchResult, search
 from autopar.search.sharding import solve_and_register
@@ -74,6 +74,10 @@ def plan(
     plan.solver["sharding"] = {
         f"block type {sol.type_id}": {"status": sol.status, "objective_s": _round(sol.objective_s),
                                       "bound_s": _round(sol.bound_s)} for sol in chosen}
+    plan.solver["bounds"] = record.bounds(facts, hw, devices, global_batch, pins, result.config,
+                                          result.estimate, capacity, result.rejected,
+                                          result.memory_rejected_bounds)
+    plan.explain = record.explain(graph, hw, result.config, tps)
     return plan
 
 
@@ -99,36 +103,6 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
                         f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
     if "pp" in pins and pins["pp"] > facts.blocks:
         raise PlanError(f"pp={pins['pp']} exceeds the model's {facts.blocks} blocks")
-
-
-def _predicted(est: Estimate) -> Predicted:
-    stages = []
-    for s in est.stages:
-        stages.append({
-            "blocks": list(s.blocks), "fwd_s": _round(s.fwd_s), "bwd_s": _round(s.bwd_s),
-            "compute_s": _round(s.compute_s), "comm_s": _round(s.comm_s),
-            "dp_comm_s": _round(s.dp_comm_s), "dp_exposed_s": _round(s.dp_exposed_s),
-            "memory": {k: _round(v) for k, v in s.memory.as_dict().items()},
-        })
-    return Predicted(
-        step_time_s=_round(est.step_time_s),
-        memory={k: _round(v) for k, v in est.memory.as_dict().items()},
-        mfu=_round(est.mfu), tokens_per_s=_round(est.tokens_per_s), bubble_s=_round(est.bubble_s),
-        host_bytes_per_node=_round(est.host_bytes_per_node), stages=stages)
-
-
-def _config_summary(config: ParallelConfig, est: Estimate, best: Estimate) -> dict:
-    slower = (est.step_time_s - best.step_time_s) / best.step_time_s
-    modes = sorted(set(config.recompute)) if not isinstance(config.recompute, str) \
-        else [config.recompute]
-    return {
-        "mesh": {"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
-        "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
-        "zero_stage": config.zero_stage, "schedule": config.schedule,
-        "sequence_parallel": config.sequence_parallel, "recompute": modes,
-        "offload": sorted(config.offload), "step_time_s": _round(est.step_time_s),
-        "memory_total": _round(est.memory.total), "slower": _round(slower),
-    }
 
 
 def _placements(graph: Graph, config: ParallelConfig) -> dict:
@@ -194,7 +168,9 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
         virtual_stages=config.virtual_stages, sequence_parallel=config.sequence_parallel,
         recompute=recompute, offload=sorted(config.offload),
         stages=[list(s) for s in (config.stages or ())],
-        placements=_placements(graph, config), predicted=_predicted(est),
-        alternatives=[_config_summary(c, e, est) for c, e in result.alternatives],
+        placements=_placements(graph, config),
+        predicted=record.predicted(graph, cluster, config, est, task),
+        alternatives=[record.runner_up(graph, cluster, c, e, est, task)
+                      for c, e in result.alternatives],
         solver=solver, memory_limit_bytes=_round(capacity),
     )

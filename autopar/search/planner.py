@@ -53,6 +53,8 @@ class SearchResult:
     rejected: dict[str, int]
     search_time_s: float
     timed_out: bool
+    # lower bounds of what memory ruled out: did memory cost speed? (the report asks)
+    memory_rejected_bounds: list[float] = field(default_factory=list)
 
 
 def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
@@ -270,6 +272,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
     host_capacity = cluster.node.host_memory_bytes
     pinned_recompute = pins.get("recompute")
     rejected: dict[str, int] = {}
+    memory_rejected: list[float] = []
     result = None
     for cross_node in (False, True):
         cands = candidates(graph, facts, cluster, devices, task, global_batch, pins, cross_node,
@@ -298,6 +301,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             floor = _memory_lower_bound(graph, facts, cluster, config, train)
             if floor > capacity:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                memory_rejected.append(cand.lower_bound_s)
                 if leanest is None or floor < leanest[0]:
                     leanest = (floor, config, None)
                 continue
@@ -309,6 +313,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
                                               task, pinned_recompute)
             if est is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                memory_rejected.append(cand.lower_bound_s)
                 if leanest is None or lean.memory.total < leanest[0]:
                     leanest = (lean.memory.total, config, lean)
                 continue
@@ -323,7 +328,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             gap = max(0.0, (best[1].step_time_s - bound) / best[1].step_time_s)
             result = SearchResult(best[0], best[1], alternatives, min(bound, best[1].step_time_s),
                                   gap, evaluated, pruned, rejected,
-                                  time.perf_counter() - started, timed_out)
+                                  time.perf_counter() - started, timed_out, memory_rejected)
             break
         if not any(facts.tp_ok(t) for t in divisors(devices) if t > cluster.devices_per_node):
             break  # no wider tensor-parallel degree to try across nodes

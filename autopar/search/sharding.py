@@ -26,7 +26,7 @@ from autopar.cost.compute import op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import register_layout
-from autopar.ir.graph import Block, Graph, OpKind
+from autopar.ir.graph import Block, Graph, OpKind, OpNode
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
 _SPLIT_REDUCTIONS = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
@@ -63,10 +63,47 @@ def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
     return ["R", "S"]
 
 
+def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str) -> float:
+    """Forward + backward of one op under one strategy, with the forward all-reduce that a
+    row-parallel linear implies (a column-parallel input's backward all-reduce is priced
+    separately: once per distinct input)."""
+    divisor = tp if strategy in ("C", "W", "S") else 1
+    seconds = 3 * op_time(op, cluster.device, dtype, 1.0, 1.0, divisor)
+    if strategy == "W":
+        seconds += axis_collective_time("all_reduce", op.output_bytes, ParallelConfig(tp=tp),
+                                        "tp", cluster)
+    return seconds
+
+
+STRATEGY_NAMES = {"R": "replicate", "C": "column", "W": "row", "S": "split"}
+
+
+def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16"
+                 ) -> dict[str, dict[str, float]]:
+    """Per op of ``block``: seconds of every legal strategy at degree ``tp``.
+
+    These are the terms of :func:`solve_block`'s objective, except that a column-parallel
+    linear carries the whole backward all-reduce of its input, which the solver shares among
+    all column-parallel readers of that input.
+    """
+    out: dict[str, dict[str, float]] = {}
+    config = ParallelConfig(tp=tp)
+    for name in block.nodes:
+        op = graph.op(name)
+        costs = {}
+        for s in (_strategies(graph, name, tp) if tp > 1 else ["R"]):
+            seconds = _op_seconds(op, s, tp, cluster, dtype)
+            if s == "C" and op.input_meta:
+                seconds += axis_collective_time("all_reduce", op.input_meta[0].nbytes, config,
+                                                "tp", cluster)
+            costs[STRATEGY_NAMES[s]] = seconds
+        out[name] = costs
+    return out
+
+
 def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16",
                 time_limit_s: float = 5.0) -> ShardingSolution:
     """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT)."""
-    device = cluster.device
     grad = requires_grad(graph)
     members = set(block.nodes)
     config = ParallelConfig(tp=tp)
@@ -83,11 +120,7 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         options = _strategies(graph, name, tp)
         for s in options:
             x[name, s] = model.NewBoolVar(f"{name}_{s}")
-            divisor = tp if s in ("C", "W", "S") else 1
-            seconds = 3 * op_time(op, device, dtype, 1.0, 1.0, divisor)  # forward + backward
-            if s == "W":
-                seconds += axis_collective_time("all_reduce", op.output_bytes, config, "tp",
-                                                cluster)
+            seconds = _op_seconds(op, s, tp, cluster, dtype)
             cost_terms.append(int(round(seconds * ns)) * x[name, s])
         model.AddExactlyOne(x[name, s] for s in options)
         if any(succ not in members for succ in graph.dag.successors(name)):

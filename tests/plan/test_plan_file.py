@@ -82,3 +82,28 @@ def test_text_report_shows_the_numbers(plan) -> None:
     text = plan.report()
     assert f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}" in text
     assert "MFU" in text and "gap" in text and "runner-ups" in text
+
+
+def test_format_1_files_load_and_save_as_the_current_format(plan, tmp_path) -> None:
+    data = plan.to_dict()
+    data["version"] = 1
+    data.pop("explain")
+    for key in ("breakdown", "pipeline_s", "p2p_s", "optimizer_s", "offload_s", "model_flops"):
+        data["predicted"].pop(key)
+    old = tmp_path / "v1.yaml"
+    old.write_text(yaml.safe_dump(data))
+    loaded = Plan.load(old)
+    assert loaded.mesh == plan.mesh and loaded.explain == {} and loaded.predicted.breakdown == {}
+    saved = yaml.safe_load(loaded.save(tmp_path / "v2.yaml").read_text())
+    assert saved["version"] == PLAN_VERSION == 2
+
+
+def test_the_plan_records_what_the_report_needs(plan) -> None:
+    p = plan.predicted
+    assert sum(p.breakdown.values()) == pytest.approx(p.step_time_s, rel=1e-4)
+    assert all({"bubble_s", "recompute_s", "weight_grad_s"} <= set(s) for s in p.stages)
+    assert {"memory", "divisibility", "batch", "constraints"} <= set(plan.solver["bounds"])
+    types = plan.explain["block_types"]
+    assert sorted(int(t) for t in types) == sorted({b["type"] for b in plan.model["blocks"]})
+    for a in plan.alternatives:
+        assert sum(a["breakdown"].values()) == pytest.approx(a["step_time_s"], rel=1e-4)

@@ -1,0 +1,36 @@
+"""The strategy report: text, markdown, self-contained HTML with plots, JSON; diff; explain.
+
+Reads only the Plan (search -> Plan -> report): every number was recorded at planning time.
+"""
+
+from __future__ import annotations
+
+import json
+
+from autopar.errors import PlanError
+
+FORMATS = ("text", "markdown", "html", "json")
+
+
+def render(plan, fmt: str = "text") -> str:
+    """The report of ``plan`` in ``fmt`` (one of :data:`FORMATS`)."""
+    from autopar.report.sections import sections
+    from autopar.report.summary import report_data
+    from autopar.report.text import render_markdown, render_text
+
+    if fmt not in FORMATS:
+        raise PlanError(f"report format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    data = report_data(plan)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    secs = sections(data)
+    if fmt == "text":
+        return render_text(data["title"], secs)
+    if fmt == "markdown":
+        return render_markdown(data["title"], secs)
+    from autopar.report.html import render_html
+
+    return render_html(plan, data, secs)
+
+
+__all__ = ["FORMATS", "render"]

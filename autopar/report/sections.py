@@ -1,0 +1,171 @@
+"""The report as titled sections of formatted cells, shared by the text, markdown and HTML
+renderers so that all three print the same numbers the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.report import fmt
+from autopar.report.fmt import MEMORY_KINDS, MEMORY_LABELS, TIME_LABELS, TIME_TERMS
+
+
+@dataclass
+class Section:
+    """A titled block: key/value ``pairs``, a table (``headers`` + ``rows``), or ``lines``."""
+
+    title: str
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    headers: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    numeric: set[int] = field(default_factory=set)  # columns aligned right
+    anchor: str = ""
+
+
+def summary_section(d: dict) -> Section:
+    """Mesh, batching, schedule, ZeRO, recompute, offload, step time, throughput, memory."""
+    s = d["summary"]
+    m = s["mesh"]
+    schedule = s["schedule"]
+    if m["pp"] == 1:
+        schedule += " (one stage: no pipeline)"
+    elif s["virtual_stages"] > 1:
+        schedule += f" (v={s['virtual_stages']} chunks per device)"
+    mem = s["memory"]
+    pairs = [
+        ("mesh", fmt.mesh(m) + ("  (sequence parallel)" if s["sequence_parallel"] else "")),
+        ("batching", f"global {s['global_batch']} = dp*ep {m['dp'] * m['ep']} x micro-batch "
+                     f"{s['microbatch_size']} x {s['num_microbatches']} micro-batches"),
+        ("schedule", schedule),
+        ("ZeRO", s["zero"]),
+        ("recompute", fmt.recompute_counts(s["recompute"])),
+        ("offload", fmt.offload(s["offload"])),
+        ("step time", f"{fmt.seconds(s['step_time_s'])} (bubble {fmt.seconds(s['bubble_s'])})"),
+        ("throughput", f"{fmt.count(s['tokens_per_s'])} tokens/s, MFU {fmt.pct(s['mfu'])} "
+                       f"(model FLOPs: recompute not counted)"),
+        ("memory", f"{fmt.nbytes(mem['total'])} of {fmt.nbytes(s['memory_limit_bytes'])} "
+                   f"({fmt.pct(s['memory_fraction'])}) on the busiest device"),
+        ("by kind", ", ".join(f"{MEMORY_LABELS[k]} {fmt.nbytes(mem.get(k, 0.0))}"
+                              for k in MEMORY_KINDS)),
+    ]
+    if s["host_bytes_per_node"]:
+        pairs.append(("host memory", f"{fmt.nbytes(s['host_bytes_per_node'])} per node "
+                                     f"(offloaded state)"))
+    return Section("Summary", pairs=pairs, anchor="summary")
+
+
+def breakdown_section(d: dict) -> Section | None:
+    """The step time's terms (None for a plan that does not record them)."""
+    b = d["breakdown"]
+    if not b:
+        return None
+    step = d["summary"]["step_time_s"]
+    rows = [[TIME_LABELS[t], fmt.seconds(b[t]), fmt.pct(b[t] / step if step else 0)]
+            for t in TIME_TERMS if b.get(t)]
+    rows.append(["step", fmt.seconds(step), "100.0%"])
+    return Section(f"Step time, along the bottleneck stage {d['bottleneck_stage']}",
+                   headers=["term", "time", "share"], rows=rows, numeric={1, 2},
+                   anchor="breakdown")
+
+
+def stage_time_section(d: dict) -> Section:
+    """Per stage: compute, recompute, communication and bubble per step."""
+    rows = []
+    for r in d["stages"]:
+        rows.append([str(r["stage"]), f"{r['first']} .. {r['last']} ({r['num_blocks']})",
+                     fmt.seconds(r["compute_s"]), fmt.seconds(r["recompute_s"]),
+                     fmt.seconds(r["comm_s"]), fmt.seconds(r["bubble_s"]),
+                     f"{fmt.seconds(r['fwd_s'])} / {fmt.seconds(r['bwd_s'])}"])
+    return Section("Stages: time per step",
+                   headers=["stage", "blocks", "compute", "recompute", "communication",
+                            "bubble", "fwd / bwd per micro-batch"],
+                   rows=rows, numeric={2, 3, 4, 5, 6}, anchor="stage-time",
+                   lines=["communication = tensor/expert-parallel collectives of every "
+                          "micro-batch + the exposed data-parallel traffic; bubble = the "
+                          "stage's idle time in the pipelined forward/backward"])
+
+
+def stage_memory_section(d: dict) -> Section:
+    """Per stage: memory by kind on its busiest device, and its share of the budget."""
+    rows = []
+    for r in d["stages"]:
+        mem = r["memory"]
+        rows.append([str(r["stage"]), *(fmt.nbytes(mem[k]) for k in MEMORY_KINDS),
+                     fmt.nbytes(mem["total"]), fmt.pct(r["of_budget"])])
+    limit = fmt.nbytes(d["summary"]["memory_limit_bytes"])
+    return Section(f"Stages: memory per device (budget {limit})",
+                   headers=["stage", *(MEMORY_LABELS[k] for k in MEMORY_KINDS), "total",
+                            "of budget"],
+                   rows=rows, numeric=set(range(1, 9)), anchor="stage-memory")
+
+
+def _modes(rec: dict) -> str:
+    """``none`` when every block shares a mode, else ``full 30, none 4``."""
+    if len(rec) == 1:
+        return next(iter(rec))
+    return ", ".join(f"{k} {v}" if v is not None else k for k, v in rec.items())
+
+
+def runner_up_section(d: dict) -> Section:
+    """The runner-ups: their choices, how much slower and larger, what they lost on."""
+    rows = []
+    for i, a in enumerate(d["runner_ups"], 1):
+        rec = a["recompute"]
+        rows.append([str(i), fmt.mesh(a["mesh"]) + (" sp" if a["sequence_parallel"] else ""),
+                     f"ZeRO-{a['zero_stage']}", a["schedule"],
+                     f"{a['microbatch_size']} x {a['num_microbatches']}",
+                     _modes(rec),
+                     fmt.offload(a["offload"]), fmt.seconds(a["step_time_s"]),
+                     fmt.pct(a["slower"], signed=True), fmt.nbytes(a["memory_total"]),
+                     fmt.pct(a["larger"], signed=True), a["lost_on"]])
+    lines = [] if rows else ["no runner-up: the constraints or the model leave one candidate"]
+    return Section("Why this plan: the runner-ups", rows=rows, lines=lines,
+                   headers=["#", "mesh", "ZeRO", "schedule", "micro-batches", "recompute",
+                            "offload", "step", "slower", "memory", "larger", "lost on"],
+                   numeric={7, 8, 9, 10}, anchor="runner-ups")
+
+
+def bounds_section(d: dict) -> Section:
+    """Each bound's evidence, which ones bind, and the solver's proof."""
+    s = d["solver"]
+    rows = [[b["bound"], "binding" if b["binding"] else "not binding", b["detail"]]
+            for b in d["bounds"]]
+    binding = [b["bound"] for b in d["bounds"] if b["binding"]]
+    lines = []
+    if d["bounds"]:
+        lines.append("binding: " + (", ".join(binding) if binding else
+                                    "none (the fastest candidate under the cost model fits)"))
+    if s.get("gap") is not None:
+        lines.append(
+            f"solver: proven gap {s['gap']:.2%}: no plan is faster than "
+            f"{fmt.seconds(s.get('bound_s'))} under the cost model ({s.get('evaluated', 0)} "
+            f"candidates evaluated, {s.get('pruned_by_bound', 0)} pruned by their lower bound"
+            f"{', stopped by the time limit' if s.get('timed_out') else ''})")
+    for name, sol in (s.get("sharding") or {}).items():
+        lines.append(f"sharding of {name}: CP-SAT {sol['status']}, "
+                     f"{fmt.seconds(sol['objective_s'])} (bound {fmt.seconds(sol['bound_s'])})")
+    return Section("Why this plan: bounds and proof", headers=["bound", "", "evidence"],
+                   rows=rows, lines=lines, anchor="bounds")
+
+
+def block_section(d: dict) -> Section:
+    """Block types and the recompute modes their blocks got."""
+    rows = [[str(t["type"]), t["kind"], str(t["count"]), t["first"],
+             fmt.recompute_counts(t["recompute"])] for t in d["block_types"]]
+    return Section("Blocks", headers=["type", "kind", "count", "first", "recompute"],
+                   rows=rows, numeric={2}, anchor="blocks",
+                   lines=["`autopar explain PLAN --block K` shows a block's sharding, its "
+                          "alternatives and their costs"])
+
+
+def sections(d: dict) -> list[Section]:
+    """Every section of the report, in reading order."""
+    out = [summary_section(d)]
+    if d["notes"]:
+        out.append(Section("Notes", lines=d["notes"], anchor="notes"))
+    b = breakdown_section(d)
+    if b is not None:
+        out.append(b)
+    out += [stage_time_section(d), stage_memory_section(d), runner_up_section(d),
+            bounds_section(d), block_section(d)]
+    return out
