@@ -1,5 +1,6 @@
-"""Apply a Plan to a module with PyTorch's own pieces: DTensor tensor parallelism, checkpoint
-wrappers for recompute, DDP / ZeroRedundancyOptimizer / fully_shard for data parallelism."""
+"""Apply a Plan to a module with PyTorch's own pieces: DTensor tensor and sequence parallelism
+(in tensor_parallel.py), checkpoint wrappers for recompute, DDP / ZeroRedundancyOptimizer /
+fully_shard for data parallelism."""
 
 from __future__ import annotations
 
@@ -7,62 +8,15 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names, tied_modules
+
+__all__ = ["apply_data_parallel", "apply_recompute", "apply_tensor_parallel"]
 
 
-def _layer_names(plan: Plan) -> list[str]:
-    return [b["name"] for b in plan.model["blocks"] if b["name"] not in ("head", "tail", "root")]
-
-
-def _tied_modules(model: nn.Module) -> set[str]:
-    """Modules whose weight is shared with another module (tied embedding and head)."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        w = getattr(module, "weight", None)
-        if isinstance(w, nn.Parameter):
-            owners.setdefault(id(w), []).append(name)
-    return {n for names in owners.values() if len(names) > 1 for n in names}
-
-
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> list[str]:
-    """Column/row/vocabulary-parallel modules from the plan's parameter placements.
-
-    Returns the module paths it parallelised. Tied weights stay replicated (one Parameter
-    cannot carry two layouts).
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    layers = _layer_names(plan)
-    tied = _tied_modules(model)
-    styles: dict[str, object] = {}
-    for fqn, placement in plan.placements["params"].items():
-        if not fqn.endswith(".weight") or "@tp" not in placement:
-            continue
-        path = fqn[: -len(".weight")]
-        if path in tied:
-            continue
-        module = model.get_submodule(path)
-        in_layer = any(path == n or path.startswith(n + ".") for n in layers)
-        if isinstance(module, nn.Embedding):
-            styles[path] = RowwiseParallel(input_layouts=Replicate())
-        elif not isinstance(module, nn.Linear):
-            raise PlanError(f"the plan splits {path} ({type(module).__name__}) over tp, but "
-                            f"only nn.Linear and nn.Embedding can be split; pin tp=1")
-        elif placement.startswith("Shard(0)"):
-            # a column-parallel linear outside the layers is the LM head: gather the logits
-            styles[path] = ColwiseParallel() if in_layer else \
-                ColwiseParallel(output_layouts=Replicate())
-        else:
-            styles[path] = RowwiseParallel()
-    if styles:
-        parallelize_module(model, tp_mesh, styles)
-    return sorted(styles)
+# older private names, still imported by sibling modules
+_layer_names = layer_names
+_tied_modules = tied_modules
 
 
 def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) -> None:

@@ -62,12 +62,18 @@ def _schedule_class(name: str):
 
 
 def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: str,
-                   example: torch.Tensor, loss_fn) -> tuple[list, object, list[nn.Module]]:
-    """(this rank's PipelineStages, the schedule, their modules)."""
+                   example: torch.Tensor, loss_fn, tp_mesh: DeviceMesh | None = None
+                   ) -> tuple[list, object, list[nn.Module]]:
+    """(this rank's PipelineStages, the schedule, their modules). With ``tp_mesh`` each stage
+    module is tensor-parallel over it."""
     from torch.distributed.pipelining import pipeline
+
+    from autopar.runtime.tensor_parallel import apply_tensor_parallel, tied_modules
 
     chunks = chunk_ranges(plan)
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
+    # traced on the whole, unsplit model: tensor parallelism is applied to the stage modules
+    # after the split, and keeps the global shapes the trace baked in (see tensor_parallel)
     pipe = pipeline(model, mb_args=(example,), mb_kwargs=kwargs,
                     split_spec=split_spec(plan, chunks))
     if pipe.num_stages != len(chunks):
@@ -75,6 +81,11 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
                         f"{len(chunks)}")
     pp, rank = plan.mesh["pp"], pp_mesh.get_local_rank()
     indices = [i for i in range(len(chunks)) if i % pp == rank]
+    if tp_mesh is not None:
+        tied = tied_modules(model)
+        for i in indices:
+            apply_tensor_parallel(pipe.get_stage_module(i), plan, tp_mesh, tied=tied,
+                                  original=model)
     group = pp_mesh.get_group()
     stages = [pipe.build_stage(i, torch.device(device), group) for i in indices]
     cls = _schedule_class(plan.schedule)
