@@ -14,12 +14,18 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.expert_parallel import (
+    apply_expert_data_parallel,
+    check_expert_parallel,
+    sync_expert_grads,
+)
 from autopar.runtime.parallelize import (
     apply_data_parallel,
     apply_recompute,
     apply_tensor_parallel,
 )
 from autopar.runtime.source import build_from_source
+from autopar.runtime.tensor_parallel import reduce_partial_grads
 
 
 def _vocab(model: nn.Module) -> int:
@@ -53,20 +59,16 @@ class Trainer:
     def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
                  log_path: str | Path | None = None, data: str = "synthetic") -> None:
+        if plan.sequence_parallel and plan.mesh["tp"] > 1 and plan.mesh["pp"] > 1:
+            raise PlanError("sequence parallelism inside pipeline stages is not supported "
+                            "(stages exchange whole activations); re-plan with constraints "
+                            "sequence_parallel=false or pp=1")
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
                             f"are running; launch with torchrun --nproc-per-node "
                             f"{plan.devices} (or re-plan for {world})")
-        if plan.mesh["ep"] > 1:
-            raise PlanError("expert parallelism is not in the runtime yet; re-plan with "
-                            "constraints ep=1")
-        if plan.sequence_parallel and plan.mesh["tp"] > 1:
-            raise PlanError("sequence parallelism is not in the runtime yet; re-plan with "
-                            "constraints sequence_parallel=false")
-        if plan.mesh["pp"] > 1 and plan.mesh["tp"] > 1:
-            raise PlanError("pipeline x tensor parallelism is not in the runtime yet; re-plan "
-                            "with pp=1 or tp=1")
+        check_expert_parallel(plan)
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = build_from_source(source, seed, device)
@@ -75,24 +77,36 @@ class Trainer:
         from autopar.runtime.dataset import open_source
 
         self.data = open_source(data, self.vocab)  # bad data fails before any parallel setup
-        self.dp_rank, dp_mesh, self.pipe = 0, None, None
+        self.dp_rank, dp_mesh, self.pipe, self.experts = 0, None, None, []
         if world > 1:
             from autopar.runtime.mesh import build_mesh
 
             mesh = build_mesh(plan, device)
             dp_mesh = mesh["dp"]
             self.dp_rank = dp_mesh.get_local_rank()
-            if plan.mesh["tp"] > 1:
+            if plan.mesh["tp"] > 1 and plan.mesh["pp"] == 1:  # pipelines split stages first
                 apply_tensor_parallel(model, plan, mesh["tp"])
+            if plan.mesh["ep"] > 1:
+                from autopar.runtime.expert_parallel import (
+                    apply_expert_parallel,
+                    data_rank,
+                    dense_mesh,
+                )
+
+                self.experts = apply_expert_parallel(model, plan, mesh["ep"])
+                self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
             model = self._pipeline(model, plan, mesh, device, dp_mesh)
             zero1 = False
         else:
             apply_recompute(model, plan)
-            model, zero1 = apply_data_parallel(model, plan, dp_mesh)
+            model, zero1 = apply_data_parallel(model, plan, dp_mesh) if not self.experts \
+                else (apply_expert_data_parallel(model, plan, mesh, self.experts), False)
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
+        # the ranks whose losses make up the global mean: dp, or dp x ep under expert parallelism
+        self.replica_group = dense_mesh(mesh).get_group() if self.experts else self.dp_group
         params = [p for p in self.model.parameters() if p.requires_grad]
         if zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -112,8 +126,9 @@ class Trainer:
 
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
+        tp_mesh = mesh["tp"] if plan.mesh["tp"] > 1 else None
         stages, self.pipe, modules = build_pipeline(model, plan, mesh["pp"], device, example,
-                                                    _lm_loss)
+                                                    _lm_loss, tp_mesh)
         self.pp_group = mesh["pp"].get_group()
         for module in modules:
             apply_recompute(module, plan, skip_missing=True)
@@ -154,14 +169,16 @@ class Trainer:
                     loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
                 (loss / m).backward()
                 total += loss.detach() / m
+            sync_expert_grads(self.experts, plan, self.dp_group)
+        reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
         if self.grad_clip:
             self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
-        if self.dp_group is not None:
-            dist.all_reduce(total, group=self.dp_group)
-            total /= plan.mesh["dp"]
+        if self.replica_group is not None:
+            dist.all_reduce(total, group=self.replica_group)
+            total /= plan.mesh["dp"] * plan.mesh["ep"]
         value = float(total)
         elapsed = time.perf_counter() - start
         if self.log_path is not None and self.rank == 0:
@@ -178,10 +195,9 @@ class Trainer:
 
     @property
     def checkpointable(self) -> bool:
-        """Whether this run's state can be saved (not yet for pipeline or ZeRO-1 runs)."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return self.pipe is None and not isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        """Whether this run's state can be saved: every plan the runtime trains, pipelines and
+        ZeRO-1 included (autopar.runtime.checkpoint writes one format for all of them)."""
+        return True
 
     def _activation_offload(self):
         """save_on_cpu keeps saved activations in host memory when the plan offloads them."""

@@ -13,7 +13,7 @@ from autopar.cost.profile_comm import free_port
 
 def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
             seed: int, out, checkpoint_dir: str | None = None, resume: bool = False,
-            data: str = "synthetic") -> None:
+            data: str = "synthetic", probe=None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,10 +32,11 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
         losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
         sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
                       and any(pl.is_shard() for pl in p.placements))
+        probed = probe(trainer) if probe is not None else None  # on every rank: it may assert
         if world > 1:
             dist.barrier()  # all ranks done before any tears gloo down
         if rank == 0:
-            out.put(("ok", (losses, sharded)))
+            out.put(("ok", (losses, sharded) if probe is None else (losses, sharded, probed)))
     except Exception as exc:  # reported to the test as text
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
     finally:
@@ -44,16 +45,18 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, ste
 
 
 def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
-              checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic"
-              ) -> tuple[list[float], int]:
+              checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
+              probe=None) -> tuple:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
-    many of its parameters are sharded DTensors)."""
+    many of its parameters are sharded DTensors). ``probe``, a module-level function of the
+    Trainer, runs on every rank after training (collectives allowed); rank 0's result is
+    appended as a third item."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     world = plan.devices
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, source, plan.to_dict(), steps,
-                                               seed, out, checkpoint_dir, resume, data),
+                                               seed, out, checkpoint_dir, resume, data, probe),
                          daemon=True)
              for r in range(world)]
     for p in procs:

@@ -1,0 +1,50 @@
+"""Communication primitives with the autograd rule each needs (one place, picotron style).
+
+PyTorch's functional collectives carry autograd too, but their rules do not always match the
+parallel layout they are used in (see the field notes on all-reduce); writing the rule next to
+the collective keeps the gradient's meaning explicit and testable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` go to the ranks of ``group`` in ``input_splits`` chunks; the gradient of
+    a row received from rank i belongs to that row on rank i, so the backward is the same
+    exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable uneven all-to-all over dim 0: send ``input_splits[i]`` rows to rank i of
+    ``group``, receive ``output_splits[i]`` rows from it (rows stay in rank order)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Even all-to-all of a 1-D integer tensor (no gradient): chunk i goes to rank i, and the
+    result holds each rank's chunk for this rank, in rank order. Used to size the uneven
+    exchange that follows."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

@@ -1,0 +1,270 @@
+"""Expert parallelism: tiny Mixtral with its experts split over ep ranks and tokens dispatched
+by all-to-all reproduces the single-process loss trajectory (fp32, gloo, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from torch import nn
+
+import autopar
+from autopar.runtime.source import describe_source
+
+from .harness import run_ranks
+from .test_equivalence import _megatron
+
+pytestmark = pytest.mark.dist
+STEPS, BATCH = 5, 4
+NUM_EXPERTS, MOE_LAYERS = 4, 4  # tiny-mixtral
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return autopar.capture("tiny-mixtral", seq=32)
+
+
+@pytest.fixture(scope="module")
+def mixtral(graph):
+    """(source, graph, one process's losses, one process's first-step gradients)."""
+    source = describe_source("tiny-mixtral")
+    single = _plan(graph, 1, ep=1, microbatch_size=2)
+    losses, _ = run_ranks(source, single, STEPS)
+    *_, grads = run_ranks(source, single, 0, probe=_gradients)
+    return source, graph, losses, grads
+
+
+def _plan(graph, devices: int, **pins):
+    pins = dict(dict(pp=1, tp=1, num_microbatches=2), **pins)
+    plan = autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
+    if pins["tp"] > 1:  # attention split Megatron-style; the experts stay whole on their rank
+        plan = _megatron(plan, ("q_proj", "k_proj", "v_proj"), ("o_proj",))
+    return plan
+
+
+def _probe(trainer) -> dict:
+    """Runs on every rank after training: the experts it holds, and the all-to-alls that one
+    more forward performs."""
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    experts = trainer.experts
+    assert len(experts) == MOE_LAYERS
+    plan = trainer.plan
+    shards = plan.mesh["ep"] * (plan.mesh["dp"] if plan.zero_stage >= 2 else 1)
+    tp_split = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
+                   and "tp" in p.device_mesh.mesh_dim_names
+                   and p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_shard())
+    local_shapes = []
+    for module in experts:
+        for p in module.parameters():
+            mesh = p.device_mesh
+            ep_dim = mesh.mesh_dim_names.index("ep")
+            assert p.placements[ep_dim] == Shard(0), p.placements
+            assert p.shape[0] == NUM_EXPERTS  # the global view still has every expert
+            assert p.to_local().numel() * shards == p.numel()  # but this rank stores its share
+            local_shapes.append(tuple(p.to_local().shape))
+    ids = torch.randint(0, trainer.vocab, (plan.microbatch_size, trainer.seq - 1))
+    with torch.no_grad(), CommDebugMode() as comm:
+        trainer.model(ids)
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    return dict(local_shapes=local_shapes, tp_split=tp_split,
+                all_to_all=sum(n for op, n in counts.items() if "alltoall" in op),
+                sent=experts[0].tokens_sent, received=experts[0].tokens_received)
+
+
+def _gradients(trainer) -> dict:
+    """Every parameter's full gradient after the first step's backward and gradient sync
+    (the optimizer step and clipping switched off), keyed by its name in the plain model."""
+    trainer.grad_clip = 0.0
+    trainer.optimizer.step = lambda *a, **k: None
+    trainer.optimizer.zero_grad = lambda *a, **k: None
+    trainer.train_step()
+    grads = {}
+    for name, p in trainer.model.named_parameters():
+        g = p.grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        # numpy pickles by value: a tensor would travel as shared memory of an exited rank
+        grads[name.removeprefix("module.")] = g.detach().numpy().copy()
+    return grads
+
+
+# each reduces the gradients differently: DDP + one all-reduce of the experts over dp,
+# or fully_shard with the experts' divide factor (one-rank dp mesh, or a real one)
+CASES = {
+    "ep2": (2, dict(ep=2, dp=1, zero_stage=0, microbatch_size=1)),
+    "ep2 zero3": (2, dict(ep=2, dp=1, zero_stage=3, microbatch_size=1)),
+    "ep2 x dp2": (4, dict(ep=2, dp=2, zero_stage=0, microbatch_size=1, num_microbatches=1)),
+    "ep2 x dp2 zero3": (4, dict(ep=2, dp=2, zero_stage=3, microbatch_size=1,
+                                num_microbatches=1)),
+    "ep2 x tp2": (4, dict(ep=2, tp=2, dp=1, zero_stage=0, microbatch_size=1,
+                          sequence_parallel=False)),
+}
+# the same reductions, with the all-to-alls re-run in the backward, or parameters on the host
+MORE_CASES = {
+    "ep2 full recompute": (2, dict(ep=2, dp=1, zero_stage=0, microbatch_size=1,
+                                   recompute="full")),
+    "ep2 zero3 offload optimizer+params": (2, dict(ep=2, dp=1, zero_stage=3, microbatch_size=1,
+                                                   offload=["optimizer", "params"])),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(MORE_CASES))
+def test_tiny_mixtral_expert_parallel_matches_single_process(mixtral, case: str) -> None:
+    source, graph, reference, _ = mixtral
+    devices, pins = {**CASES, **MORE_CASES}[case]
+    plan = _plan(graph, devices, **pins)
+    assert plan.mesh["ep"] == 2 and plan.zero_stage == pins["zero_stage"]
+    assert pins.get("recompute", plan.recompute[1]) == plan.recompute[1]  # first layer
+    assert sorted(plan.offload) == sorted(pins.get("offload", []))
+    losses, sharded, probe = run_ranks(source, plan, STEPS, probe=_probe)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert losses[0] != losses[-1]  # it trains
+    assert sharded >= 2 * MOE_LAYERS  # at least every expert weight is a sharded DTensor
+    # tiny-mixtral's gate_up_proj is [4, 256, 64]: 2 of the 4 experts per ep rank
+    stored = 2 // (pins["dp"] if pins["zero_stage"] >= 2 else 1)
+    assert probe["local_shapes"][0] == (stored, 256, 64)
+    # per MoE layer: one count exchange, tokens out, results back
+    assert probe["all_to_all"] == 3 * MOE_LAYERS
+    tokens = plan.microbatch_size * 31  # the probe's micro-batch, top-2: two copies each
+    assert sum(probe["sent"]) == 2 * tokens and sum(probe["received"]) > 0
+    assert probe["sent"][1] > 0  # rank 0 really sent token copies to the other expert rank
+    # q, k, v and o of every layer (the planner may split the LM head too)
+    assert probe["tp_split"] >= 4 * MOE_LAYERS if plan.mesh["tp"] > 1 else not probe["tp_split"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_gradients_match_single_process(mixtral, case: str) -> None:
+    """Adam barely notices a constant gradient scale, so the losses alone would not catch an
+    expert gradient averaged over the wrong ranks: compare the gradients themselves."""
+    source, graph, _, reference = mixtral
+    devices, pins = CASES[case]
+    *_, grads = run_ranks(source, _plan(graph, devices, **pins), 0, probe=_gradients)
+    assert grads.keys() == reference.keys()
+    assert any(".experts." in name for name in grads)
+    for name, ref in reference.items():
+        assert np.linalg.norm(grads[name] - ref) <= 1e-4 * np.linalg.norm(ref), name
+
+
+def test_expert_parallel_checkpoint_resumes_in_one_process(mixtral, tmp_path) -> None:
+    """Experts saved as ep-sharded DTensors load, whole, into a single process."""
+    source, graph, reference, _ = mixtral
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_ranks(source, _plan(graph, 2, ep=2, dp=1, zero_stage=0, microbatch_size=1),
+                         steps=3, checkpoint_dir=ckpt)
+    rest, _ = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), steps=2,
+                        checkpoint_dir=ckpt, resume=True)
+    assert first + rest == pytest.approx(reference, rel=1e-4)
+
+
+def test_unsupported_combinations_are_refused(graph) -> None:
+    from autopar.runtime.expert_parallel import check_expert_parallel
+
+    plan = _plan(graph, 2, ep=2, dp=1, zero_stage=0, microbatch_size=1)
+    check_expert_parallel(plan)  # supported
+    for edit, cause in ((dict(pp=2), "pipeline parallelism"), (dict(tp=2), "sequence")):
+        plan.mesh, plan.sequence_parallel = {**plan.mesh, "pp": 1, "tp": 1, **edit}, True
+        with pytest.raises(autopar.PlanError, match=f"{cause}.*ep=1"):
+            check_expert_parallel(plan)
+    plan.mesh, plan.zero_stage = {**plan.mesh, "pp": 1, "tp": 1}, 1
+    with pytest.raises(autopar.PlanError, match="ZeRO-1 .*zero_stage 0, 2 or 3"):
+        check_expert_parallel(plan)
+
+
+def _dispatch_worker(rank: int, port: int, skew: bool, out) -> None:
+    """One rank of a 2-rank check of ExpertParallelExperts against the original module on the
+    union of both ranks' tokens: outputs, and the gradients of the tokens, the top-k weights
+    and the experts (each rank's experts collect the gradient of both ranks' tokens)."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from autopar.runtime.expert_parallel import ExpertParallelExperts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)  # the same tokens, routes and weights on both ranks
+        cfg = MixtralConfig(hidden_size=8, intermediate_size=16, num_local_experts=4,
+                            num_experts_per_tok=2)
+        experts = MixtralExperts(cfg)  # eager: no _experts_implementation outside a model
+        for weight in experts.parameters():
+            nn.init.normal_(weight)
+        n = 6  # tokens per rank
+        x = torch.randn(2 * n, 8, requires_grad=True)
+        w = torch.rand(2 * n, 2, requires_grad=True)
+        # skew: every token picks experts 0 and 1, so rank 1's experts receive nothing
+        idx = torch.tensor([[0, 1]] * 2 * n) if skew else \
+            torch.stack([torch.randperm(4)[:2] for _ in range(2 * n)])
+        cot = torch.randn(2 * n, 8)
+        y_ref = experts(x, idx, w)
+        (y_ref * cot).sum().backward()
+        ref_grads = {name: p.grad.clone() for name, p in experts.named_parameters()}
+        ep = ExpertParallelExperts(experts, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)),
+                                   4)
+        rows = slice(rank * n, (rank + 1) * n)
+        xr, wr = x.detach()[rows].requires_grad_(), w.detach()[rows].requires_grad_()
+        y = ep(xr, idx[rows], wr)
+        (y * cot[rows]).sum().backward()
+        pairs = {"out": (y, y_ref[rows]), "tokens": (xr.grad, x.grad[rows]),
+                 "weights": (wr.grad, w.grad[rows])}
+        for name, p in ep.named_parameters():
+            pairs[name] = (p.grad.to_local(), ref_grads[name][2 * rank:2 * rank + 2])
+        errors = {k: float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+                  for k, (a, b) in pairs.items()}  # relative to the largest entry
+        out.put((rank, errors, ep.tokens_received))
+    except Exception as exc:  # reported to the test as text
+        out.put((rank, f"{type(exc).__name__}: {exc}", None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "one rank idle"])
+def test_dispatch_matches_the_original_experts(skew: bool) -> None:
+    import torch.multiprocessing as mp
+
+    from autopar.cost.profile_comm import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, skew, out), daemon=True)
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    for rank, errors, _ in results:
+        assert isinstance(errors, dict), errors
+        assert max(errors.values()) < 1e-5, (rank, errors)
+    if skew:
+        assert sum(results[1][2]) == 0  # rank 1 really received no token, and did not hang
+    else:
+        assert all(sum(received) > 0 for _, _, received in results)
+
+
+class _ListMoE(nn.Module):
+    """Experts as a ModuleList (transformers 4 style), which the runtime cannot split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+def test_expert_modules_it_cannot_split_are_refused() -> None:
+    from autopar.runtime.expert_parallel import apply_expert_parallel, find_experts
+
+    with pytest.raises(autopar.PlanError, match="nn.ModuleList.*ep=1"):
+        find_experts(_ListMoE())
+    plan = type("P", (), {"mesh": {"ep": 2}})()
+    with pytest.raises(autopar.PlanError, match="no expert modules.*ep=1"):
+        apply_expert_parallel(nn.Sequential(nn.Linear(4, 4)), plan, ep_mesh=None)
