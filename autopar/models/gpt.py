@@ -79,11 +79,16 @@ class Block(nn.Module):
 
 
 def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases, norms at ones and zeros."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        # what the constructor already gives; spelled out so that a meta-built model, whose
+        # constructor wrote nothing, gets it from this rule alone
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
 
 
 class GPT(nn.Module):
@@ -97,6 +102,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(_init_weights)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise the parameters ``module`` owns directly, in place (the per-module rule
+        :func:`autopar.runtime.init.materialize` runs on meta-built models)."""
+        _init_weights(module)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

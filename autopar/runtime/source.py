@@ -55,9 +55,13 @@ def _resolve(path: str) -> object:
     return obj
 
 
-def build_from_source(source: dict, seed: int, device: str = "cpu") -> nn.Module:
+def build_from_source(source: dict, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild the model in fp32 on ``device`` with weights drawn from ``seed`` (the same on
-    every rank, so a sharded run starts where a single process would)."""
+    every rank, so a sharded run starts where a single process would).
+
+    ``device="meta"`` allocates no weights: parallelise the model, then fill only this rank's
+    shards with :func:`autopar.runtime.init.materialize`.
+    """
     torch.manual_seed(seed)
     kind = source.get("kind")
     if kind == "hf_config":
@@ -72,6 +76,11 @@ def build_from_source(source: dict, seed: int, device: str = "cpu") -> nn.Module
     if kind == "factory":
         from autopar.models.spec import load_factory
 
-        model, _ = load_factory(source["spec"])
+        if torch.device(device).type == "meta":
+            # the factory's own allocations land on meta too, so no rank ever holds the model
+            with torch.device("meta"):
+                model, _ = load_factory(source["spec"])
+        else:
+            model, _ = load_factory(source["spec"])
         return model.to(device)
     raise PlanError(f"unknown model source kind {kind!r} in the artifact manifest")
