@@ -30,6 +30,7 @@ from autopar.search.space import (
     divisors,
     legal_meshes,
 )
+from autopar.search.support import unsupported
 
 Progress = Callable[[float, str], None]
 
@@ -192,11 +193,14 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
                                  offload=frozenset(offload))
+                if unsupported(config):
+                    rejected["runtime"] = rejected.get("runtime", 0) + 1
+                    continue
                 bound = lb + _update_time_lower_bound(graph, facts, cluster, config, train)
                 tie = (oi, zero, si, int(base.sequence_parallel), mesh.pp, mesh.tp, mesh.ep,
                        base.microbatch_size)
                 out.append(Candidate(bound, tie, config))
-    if not out:
+    if not out and not rejected.get("runtime"):
         rejected["pinned"] = rejected.get("pinned", 0) + 1
     return out
 
@@ -365,6 +369,11 @@ def _infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devic
                         global_batch: int) -> str:
     from autopar.ir.summary import human
 
+    if leanest is None and rejected.get("runtime"):
+        return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
+                f"can run: the constraints leave only combinations it does not support "
+                f"(sequence parallelism inside pipeline stages, or expert parallelism with "
+                f"pipelines, sequence parallelism or ZeRO-1); relax those constraints")
     if leanest is None:
         return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
                 f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "

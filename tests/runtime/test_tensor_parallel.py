@@ -241,6 +241,10 @@ def test_pipeline_x_sequence_parallel_is_refused(gpt4) -> None:
     from autopar.runtime import Trainer
 
     source, graph, _ = gpt4
-    plan = _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=True, **FOUR_MICROBATCHES)
+    # the planner does not propose it; a hand-edited plan is refused by the runtime
+    with pytest.raises(autopar.InfeasibleError, match="that the runtime can run"):
+        _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=True, **FOUR_MICROBATCHES)
+    plan = _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=False, **FOUR_MICROBATCHES)
+    plan.sequence_parallel = True
     with pytest.raises(autopar.PlanError, match="sequence_parallel=false or pp=1"):
         Trainer(source, plan, device="cpu")

@@ -48,7 +48,7 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
                                                        ("gpipe", 1)]
             if pp > 1 and m % pp == 0 and nblocks >= 2 * pp:
                 schedules.append(("interleaved", 2))
-            for sp in ([False, True] if tp > 1 else [False]):
+            for sp in ([False, True] if tp > 1 and pp == 1 else [False]):  # runtime's space
                 for zero in (range(4) if dp > 1 else [0]):
                     if pins.get("zero_stage", zero) != zero:
                         continue

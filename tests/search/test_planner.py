@@ -100,7 +100,7 @@ def test_constraints_and_presets(llama8b) -> None:
 def test_pinning_everything_evaluates_that_one_plan(llama8b) -> None:
     pins = {"pp": 2, "dp": 4, "tp": 8, "ep": 1, "microbatch_size": 1, "num_microbatches": 8,
             "zero_stage": 1, "recompute": "selective", "offload": "none", "schedule": "1f1b",
-            "sequence_parallel": True}
+            "sequence_parallel": False}
     plan = autopar.plan(llama8b, devices=64, global_batch=32, constraints=pins)
     assert plan.solver["evaluated"] == 1
     assert plan.schedule == "1f1b" and set(plan.recompute) == {"selective"}
@@ -122,3 +122,23 @@ def test_progress_reports(llama8b) -> None:
     seen = []
     autopar.plan(llama8b, devices=64, global_batch=512, progress=lambda f, msg: seen.append(f))
     assert seen and seen[-1] == 1.0 and all(0.0 <= f <= 1.0 for f in seen)
+
+
+def test_search_proposes_only_what_the_runtime_runs() -> None:
+    """Expert parallelism never meets pipelines or ZeRO-1, and sequence parallelism never
+    runs inside pipeline stages, in any candidate the search keeps."""
+    from autopar.cost.config import ParallelConfig
+    from autopar.search.support import unsupported
+
+    graph = autopar.capture("tiny-mixtral", seq=32)
+    plan = autopar.plan(graph, devices=8, global_batch=16, constraints=dict(ep=2))
+    for alt in [plan.to_dict()] + list(plan.alternatives):
+        assert alt["mesh"]["pp"] == 1
+        assert alt["zero_stage"] != 1 or alt["offload"]  # offload runs ZeRO-1 as fully_shard
+
+    assert unsupported(ParallelConfig(ep=2, pp=2)) is not None
+    assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=1)) is not None
+    assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True)) is not None
+    assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=3, tp=2)) is None
+    with pytest.raises(autopar.InfeasibleError, match="runtime can run"):
+        autopar.plan(graph, devices=4, global_batch=8, constraints=dict(ep=2, pp=2))

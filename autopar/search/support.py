@@ -1,0 +1,22 @@
+"""Which parallel combinations autopar's runtime can run: the search only proposes those.
+
+Kept in one place so the planner, the runtime's own checks and the docs agree.
+"""
+
+from __future__ import annotations
+
+from autopar.cost.config import ParallelConfig
+
+
+def unsupported(config: ParallelConfig) -> str | None:
+    """Why the runtime cannot run ``config``, or None when it can."""
+    tp, pp, ep = config.tp, config.pp, config.ep
+    if config.sequence_parallel and tp > 1 and pp > 1:
+        return "sequence parallelism inside pipeline stages"
+    if ep > 1 and pp > 1:
+        return "expert parallelism with pipeline parallelism"
+    if ep > 1 and config.sequence_parallel and tp > 1:
+        return "expert parallelism with sequence parallelism"
+    if ep > 1 and config.zero_stage == 1 and not config.offload:
+        return "expert parallelism with ZeRO-1"
+    return None
