@@ -287,7 +287,8 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
     step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],
                                       [s.bwd_s for s in stage_costs], m, config.schedule,
                                       config.virtual_stages, p2p,
-                                      [s.weight_grad_s for s in stage_costs])
+                                      [s.weight_grad_s for s in stage_costs],
+                                      device.efficiency.overlap)
     optimizer_s = 0.0
     if train:
         worst = max(stage_costs, key=lambda s: s.memory.params + s.memory.optimizer)

@@ -10,7 +10,11 @@ With p stages, m micro-batches, stage times f_i + b_i, bottleneck T = max_i(f_i 
   (a third when F = B = W); recompute and communication stay on the critical path.
 
 Each boundary adds a send of activations forward and of gradients backward on the critical
-path of the fill and drain: 2 (p - 1) p2p.
+path of the fill and drain: 2 (p - 1) p2p. In the steady state every micro-batch's sends
+(2 per chunk) also wait unless they run under compute: 2 v m p2p (1 - hidden), where
+``hidden`` is the device's compute/communication overlap (1 on GPUs with a separate
+communication stream, about 0 on CPU processes over gloo). Both count as bubble: the stage
+idles while it waits.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from __future__ import annotations
 def pipeline_step_time(fwd_s: list[float], bwd_s: list[float], num_microbatches: int,
                        schedule: str = "1f1b", virtual_stages: int = 1,
                        p2p_s: float = 0.0,
-                       weight_grad_s: list[float] | None = None) -> tuple[float, float]:
+                       weight_grad_s: list[float] | None = None,
+                       p2p_hidden: float = 1.0) -> tuple[float, float]:
     """(step seconds, bubble seconds) of one optimizer step's forward+backward.
 
     ``weight_grad_s`` is the weight-gradient share of each stage's backward (zero-bubble
@@ -37,5 +42,7 @@ def pipeline_step_time(fwd_s: list[float], bwd_s: list[float], num_microbatches:
         w = sum(weight_grad_s) if weight_grad_s is not None else sum(bwd_s) / 2
         total = sum(per_stage)
         fill_drain *= (total - 2 * w) / total if total else 1.0
-    bubble = fill_drain + 2 * (p - 1) * p2p_s
+    chunks = virtual_stages if schedule == "interleaved" else 1
+    steady = 2 * chunks * m * p2p_s * (1.0 - p2p_hidden)
+    bubble = fill_drain + 2 * (p - 1) * p2p_s + steady
     return m * bottleneck + bubble, bubble

@@ -93,3 +93,18 @@ def test_pipeline_schedules() -> None:
     assert slow == pytest.approx(3 * 6.0 + 9.0)  # imbalance: bottleneck stage sets the pace
     with_p2p, b2 = pipeline_step_time(f, b, m, "1f1b", p2p_s=0.5)
     assert with_p2p - gpipe == pytest.approx(2 * 3 * 0.5)
+
+
+def test_steady_state_sends_wait_without_overlap() -> None:
+    """Hidden sends cost only the fill and drain; blocking ones (gloo on CPU) also stall every
+    micro-batch's forward and backward, once per model chunk."""
+    f, b, m, p2p = [1.0] * 4, [2.0] * 4, 8, 0.5
+    hidden, _ = pipeline_step_time(f, b, m, "1f1b", p2p_s=p2p, p2p_hidden=1.0)
+    blocking, bubble = pipeline_step_time(f, b, m, "1f1b", p2p_s=p2p, p2p_hidden=0.0)
+    assert blocking - hidden == pytest.approx(2 * m * p2p)
+    assert bubble == pytest.approx(9.0 + 2 * 3 * p2p + 2 * m * p2p)
+    half, _ = pipeline_step_time(f, b, m, "1f1b", p2p_s=p2p, p2p_hidden=0.5)
+    assert half - hidden == pytest.approx(m * p2p)
+    inter, _ = pipeline_step_time(f, b, m, "interleaved", 2, p2p_s=p2p, p2p_hidden=0.0)
+    inter_hidden, _ = pipeline_step_time(f, b, m, "interleaved", 2, p2p_s=p2p)
+    assert inter - inter_hidden == pytest.approx(2 * 2 * m * p2p)
