@@ -27,7 +27,10 @@ def recipe_text(plan: Plan) -> str:
     lines = [f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}) over "
              f"{plan.devices} ranks, tp innermost",
              f"batch: global {plan.global_batch} -> each data-parallel rank "
-             f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"]
+             f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches",
+             "weights: built on meta and parallelised there; each rank then allocates and "
+             "initialises only its shards, one module at a time, seeded by (seed, module "
+             "name), so every plan starts from one process's weights"]
     if m["pp"] > 1:
         v = plan.virtual_stages if plan.schedule == "interleaved" else 1
         lines.append(f"pipeline: torch.distributed.pipelining, {m['pp'] * v} chunks at blocks "

@@ -184,24 +184,24 @@ def data_rank(mesh: DeviceMesh) -> int:
     return mesh["dp"].get_local_rank() * mesh["ep"].size() + mesh["ep"].get_local_rank()
 
 
-def apply_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
-                               experts: list[ExpertParallelExperts]) -> nn.Module:
-    """Data parallelism for an expert-parallel model: DDP over dp x ep for the dense
-    parameters (experts left to :func:`sync_expert_grads`), or fully_shard with the dense
-    modules over the flattened dp x ep mesh and the experts over dp."""
+def _expert_uses_ddp(plan: Plan) -> bool:
+    offload = {"optimizer", "params"} & set(plan.offload)
+    return plan.zero_stage == 0 and not offload and plan.mesh["tp"] == 1
+
+
+def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                               experts: list[ExpertParallelExperts]) -> bool:
+    """The fully_shard half of :func:`apply_expert_data_parallel`, in place (on a meta model,
+    before ``materialize``); returns whether it applied."""
+    if _expert_uses_ddp(plan):
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     from autopar.runtime.parallelize import _has_accelerator, _layer_names
 
     dp, ep = plan.mesh["dp"], plan.mesh["ep"]
     dense = dense_mesh(mesh)
     offload = {"optimizer", "params"} & set(plan.offload)
-    if plan.zero_stage == 0 and not offload and plan.mesh["tp"] == 1:
-        mine = {id(p) for m in experts for p in m.parameters()}
-        ignore = [n for n, p in model.named_parameters() if id(p) in mine]
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, ignore)
-        return nn.parallel.DistributedDataParallel(model, process_group=dense.get_group())
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
     reshard = plan.zero_stage == 3
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
     for module in experts:
@@ -217,7 +217,31 @@ def apply_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
         fully_shard(model.get_submodule(name), mesh=dense, reshard_after_forward=reshard,
                     offload_policy=policy)
     fully_shard(model, mesh=dense, reshard_after_forward=reshard, offload_policy=policy)
-    return model
+    return True
+
+
+def replicate_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                                   experts: list[ExpertParallelExperts]) -> nn.Module:
+    """The DDP half of :func:`apply_expert_data_parallel` (ZeRO-0): DDP over dp x ep for the
+    dense parameters, the experts ignored. Needs real tensors: after ``materialize``."""
+    if not _expert_uses_ddp(plan):
+        return model
+    mine = {id(p) for m in experts for p in m.parameters()}
+    ignore = [n for n, p in model.named_parameters() if id(p) in mine]
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ignore)
+    return nn.parallel.DistributedDataParallel(model, process_group=dense_mesh(mesh).get_group())
+
+
+def apply_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                               experts: list[ExpertParallelExperts]) -> nn.Module:
+    """Data parallelism for an expert-parallel model: DDP over dp x ep for the dense
+    parameters (experts left to :func:`sync_expert_grads`), or fully_shard with the dense
+    modules over the flattened dp x ep mesh and the experts over dp. The Trainer calls the
+    two halves separately, around ``materialize``."""
+    if shard_expert_data_parallel(model, plan, mesh, experts):
+        return model
+    return replicate_expert_data_parallel(model, plan, mesh, experts)
 
 
 def sync_expert_grads(experts: list[ExpertParallelExperts], plan: Plan,

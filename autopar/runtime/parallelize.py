@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.plan import Plan
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names, tied_modules
 
-__all__ = ["apply_data_parallel", "apply_recompute", "apply_tensor_parallel"]
+__all__ = ["apply_data_parallel", "apply_recompute", "apply_tensor_parallel",
+           "replicate_data_parallel", "shard_data_parallel"]
 
 
 # older private names, still imported by sibling modules
@@ -43,32 +44,58 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
         setattr(parent, child, checkpoint_wrapper(getattr(parent, child)))
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
-                        ) -> tuple[nn.Module, bool]:
-    """DDP for ZeRO 0/1 (with a sharded optimizer for 1) without tensor parallelism, else
-    fully_shard: ZeRO-2 keeps parameters gathered after the forward, ZeRO-3 reshards them.
-    Optimizer or parameter offload uses fully_shard's CPU offload policy (also with dp = 1).
-
-    Returns (model, use_zero_redundancy_optimizer).
-    """
+def _data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
+    """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses."""
     offload = {"optimizer", "params"} & set(plan.offload)
-    if dp_mesh is None or plan.mesh["dp"] == 1:
-        if not offload:
-            return model, False
+    if (dp_mesh is None or plan.mesh["dp"] == 1) and not offload:
+        return "none"
     if plan.mesh["tp"] == 1 and plan.zero_stage <= 1 and not offload:
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
-        return ddp, plan.zero_stage == 1
+        return "ddp"
+    return "fully_shard"
+
+
+def shard_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
+    """The fully_shard half of :func:`apply_data_parallel` (ZeRO 2/3, or offload), in place;
+    returns whether it applied. Works on a meta model, before ``materialize``."""
+    if _data_parallel_kind(plan, dp_mesh) != "fully_shard":
+        return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     reshard = plan.zero_stage == 3
     # FSDP2 offloads parameters, gradients and the optimizer step together; pinned memory
     # needs an accelerator, so it is pinned only where one exists
+    offload = {"optimizer", "params"} & set(plan.offload)
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
     for name in _layer_names(plan):
         fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard,
                     offload_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
-    return model, False
+    return True
+
+
+def replicate_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
+                            ) -> tuple[nn.Module, bool]:
+    """The DDP half of :func:`apply_data_parallel` (ZeRO 0/1). DDP broadcasts and buckets
+    real tensors, so it runs after ``materialize``. Returns (model,
+    use_zero_redundancy_optimizer); the model unchanged when the plan needs no DDP."""
+    if _data_parallel_kind(plan, dp_mesh) != "ddp":
+        return model, False
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
+    return ddp, plan.zero_stage == 1
+
+
+def apply_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
+                        ) -> tuple[nn.Module, bool]:
+    """DDP for ZeRO 0/1 (with a sharded optimizer for 1) without tensor parallelism, else
+    fully_shard: ZeRO-2 keeps parameters gathered after the forward, ZeRO-3 reshards them.
+    Optimizer or parameter offload uses fully_shard's CPU offload policy (also with dp = 1).
+    The Trainer calls the two halves separately, around ``materialize``.
+
+    Returns (model, use_zero_redundancy_optimizer).
+    """
+    if shard_data_parallel(model, plan, dp_mesh):
+        return model, False
+    return replicate_data_parallel(model, plan, dp_mesh)
 
 
 def _has_accelerator() -> bool:

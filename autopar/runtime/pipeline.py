@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.init import InitReport, materialize
+from autopar.runtime.parallelize import apply_recompute
 
 _LAYERLESS = ("head", "tail", "root")
 
@@ -87,12 +89,67 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
             apply_tensor_parallel(pipe.get_stage_module(i), plan, tp_mesh, tied=tied,
                                   original=model)
     group = pp_mesh.get_group()
+    # a meta stage module stays on meta here (build_stage moves only real tensors);
+    # materialize_stages allocates it
     stages = [pipe.build_stage(i, torch.device(device), group) for i in indices]
+    for stage in stages:
+        retarget_graph_devices(stage.submod, torch.device(device))
     cls = _schedule_class(plan.schedule)
     multi = plan.schedule in ("interleaved", "zero_bubble")
     schedule = cls(stages if multi else stages[0], n_microbatches=plan.num_microbatches,
                    loss_fn=loss_fn)
     return stages, schedule, [s.submod for s in stages]
+
+
+def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
+    """Rewrite every meta device that tracing the meta model baked into ``stage``'s graphs,
+    nested ones included, to ``device``.
+
+    build_stage's own rewrite (torch's ``_modify_graph_op_device``) changes only ``device=``
+    keywords, in the graphs it reaches through call_module nodes; a transformers model also
+    bakes the device into positional arguments (``aten.to.device``), and its stage forward
+    then fails with "Tensor on device meta". Every graph module the stage holds is visited.
+    """
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+
+        def swap(arg: object) -> object:
+            nonlocal changed
+            if isinstance(arg, torch.device) and arg.type == "meta":
+                changed = True
+                return device
+            return arg
+
+        for node in graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        if changed:
+            # an unflattened InterpreterModule keeps its generated code outside _modules
+            code = module if isinstance(module, torch.fx.GraphModule) else \
+                module.__dict__.get("graph_module")
+            if code is not None:
+                code.recompile()
+
+
+def materialize_stages(modules: list[nn.Module], plan: Plan, dp_mesh: DeviceMesh | None,
+                       seed: int, reference: nn.Module, device: str) -> InitReport:
+    """Recompute, fully_shard over dp, then allocate and initialise this rank's stage modules
+    (still on meta) from ``reference``, the unsplit meta model: each stage gets the slice of
+    the weights one process would hold, tied copies on different stages included."""
+    reports = []
+    for module in modules:
+        apply_recompute(module, plan, skip_missing=True)
+        if plan.mesh["dp"] > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        reports.append(materialize(module, seed, reference=reference, device=device))
+    return InitReport(units=sum(r.units for r in reports),
+                      peak_unit_bytes=max(r.peak_unit_bytes for r in reports),
+                      local_bytes=sum(r.local_bytes for r in reports))
 
 
 def tied_copies(original: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:

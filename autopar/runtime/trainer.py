@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -15,14 +16,17 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.expert_parallel import (
-    apply_expert_data_parallel,
     check_expert_parallel,
+    replicate_expert_data_parallel,
+    shard_expert_data_parallel,
     sync_expert_grads,
 )
+from autopar.runtime.init import InitReport, materialize
 from autopar.runtime.parallelize import (
-    apply_data_parallel,
     apply_recompute,
     apply_tensor_parallel,
+    replicate_data_parallel,
+    shard_data_parallel,
 )
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
@@ -54,7 +58,14 @@ class Trainer:
 
     Runs in the current process group (torchrun, or a test's spawned ranks); with one device
     it needs none. ``device`` overrides the plan cluster's device type (e.g. ``"cpu"``).
+
+    No rank builds the full model: it is built on meta, parallelised there, and then each rank
+    allocates and initialises only its shards (:func:`autopar.runtime.init.materialize`,
+    seeded per module, so every plan and one process start from the same weights);
+    ``init_report`` says what this rank allocated.
     """
+
+    init_report: InitReport  # this rank's materialisation: units, peak, local bytes
 
     def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
@@ -71,12 +82,15 @@ class Trainer:
         check_expert_parallel(plan)
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        model = build_from_source(source, seed, device)
+        model = build_from_source(source, seed, "meta")
         self.vocab = _vocab(model)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
         from autopar.runtime.dataset import open_source
 
         self.data = open_source(data, self.vocab)  # bad data fails before any parallel setup
+        # the unparallelised meta model: materialize reads each module's class and init rule
+        # from it (parallelism replaces both); a meta copy costs no memory
+        reference = copy.deepcopy(model)
         self.dp_rank, dp_mesh, self.pipe, self.experts = 0, None, None, []
         if world > 1:
             from autopar.runtime.mesh import build_mesh
@@ -96,12 +110,19 @@ class Trainer:
                 self.experts = apply_expert_parallel(model, plan, mesh["ep"])
                 self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
-            model = self._pipeline(model, plan, mesh, device, dp_mesh)
+            model = self._pipeline(model, reference, plan, mesh, device, dp_mesh)
             zero1 = False
         else:
             apply_recompute(model, plan)
-            model, zero1 = apply_data_parallel(model, plan, dp_mesh) if not self.experts \
-                else (apply_expert_data_parallel(model, plan, mesh, self.experts), False)
+            if self.experts:
+                shard_expert_data_parallel(model, plan, mesh, self.experts)
+            else:
+                shard_data_parallel(model, plan, dp_mesh)
+            self.init_report = materialize(model, seed, reference=reference, device=device)
+            # DDP broadcasts and buckets real tensors: only after materialize
+            model, zero1 = (replicate_expert_data_parallel(model, plan, mesh, self.experts),
+                            False) if self.experts else \
+                replicate_data_parallel(model, plan, dp_mesh)
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
@@ -120,9 +141,11 @@ class Trainer:
         self.log_path = Path(log_path) if log_path else None
         self.step_index = 0
 
-    def _pipeline(self, model: nn.Module, plan: Plan, mesh, device: str, dp_mesh) -> nn.Module:
-        """Split into this rank's stage modules and wrap them; returns them as one ModuleList."""
-        from autopar.runtime.pipeline import build_pipeline, tied_copies
+    def _pipeline(self, model: nn.Module, reference: nn.Module, plan: Plan, mesh, device: str,
+                  dp_mesh) -> nn.Module:
+        """Split the meta model into this rank's stage modules, wrap and materialize them;
+        returns them as one ModuleList."""
+        from autopar.runtime.pipeline import build_pipeline, materialize_stages, tied_copies
 
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
@@ -130,12 +153,8 @@ class Trainer:
         stages, self.pipe, modules = build_pipeline(model, plan, mesh["pp"], device, example,
                                                     _lm_loss, tp_mesh)
         self.pp_group = mesh["pp"].get_group()
-        for module in modules:
-            apply_recompute(module, plan, skip_missing=True)
-            if plan.mesh["dp"] > 1:
-                from torch.distributed.fsdp import fully_shard
-
-                fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        self.init_report = materialize_stages(modules, plan, dp_mesh, self.seed, reference,
+                                              device)
         return nn.ModuleList(modules)
 
     def _pipeline_step(self, mine: torch.Tensor) -> torch.Tensor:

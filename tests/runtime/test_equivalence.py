@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig, token_inputs
@@ -44,6 +45,26 @@ def _megatron(plan, column: tuple[str, ...], row: tuple[str, ...]):
     return plan
 
 
+def _init_probe(trainer) -> dict:
+    """What this rank allocated when it materialized the meta model, next to the whole model's
+    fp32 bytes, and its rotary inv_freq buffers (non-persistent: only materialize fills them)."""
+    report = trainer.init_report
+    tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
+    return {"local": report.local_bytes, "peak_unit": report.peak_unit_bytes,
+            "model": 4 * trainer.plan.model["params"], "meta": any(t.is_meta for t in tensors),
+            "inv_freq": {n.removeprefix("module."): b.tolist() for n, b in
+                         trainer.model.named_buffers() if n.endswith("inv_freq")}}
+
+
+def _check_init(init: dict, sharded: bool) -> None:
+    assert not init["meta"]  # everything was allocated
+    assert init["peak_unit"] < init["model"] / 4  # one module at a time, never the model
+    if sharded:  # this rank allocated only its shards
+        assert init["local"] < 0.75 * init["model"], init
+    else:
+        assert init["local"] >= init["model"]
+
+
 @pytest.fixture(scope="module")
 def gpt_reference(gpt):
     source, graph = gpt
@@ -75,11 +96,13 @@ def test_gpt_matches_single_process(gpt, gpt_reference, case: str) -> None:
     plan = _plan(graph, 2, **pins)
     if pins.get("tp", 1) > 1:
         plan = _megatron(plan, ("qkv", "fc"), ("attn.proj", "mlp.proj"))
-    losses, sharded = run_ranks(source, plan, STEPS)
+    losses, sharded, init = run_ranks(source, plan, STEPS, probe=_init_probe)
     assert losses == pytest.approx(gpt_reference, rel=1e-4)
     assert losses[0] != losses[-1]  # it trains
-    if pins.get("tp", 1) > 1 or pins.get("zero_stage", 0) >= 2:
+    split = pins.get("tp", 1) > 1 or pins.get("zero_stage", 0) >= 2
+    if split:
         assert sharded > 0  # the parameters really are split
+    _check_init(init, split)
 
 
 def test_tiny_llama_tp2_x_dp2_zero3_matches_single_process(llama) -> None:
@@ -89,8 +112,14 @@ def test_tiny_llama_tp2_x_dp2_zero3_matches_single_process(llama) -> None:
                            sequence_parallel=False),
                      ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
                      ("o_proj", "down_proj"))
-    losses, sharded = run_ranks(source, plan, STEPS)
+    losses, sharded, init = run_ranks(source, plan, STEPS, probe=_init_probe)
     assert losses == pytest.approx(reference, rel=1e-4) and sharded > 0
+    _check_init(init, sharded=True)
+    from autopar.models import build_model
+
+    built = dict(build_model("tiny-llama", device="cpu").named_buffers())
+    assert init["inv_freq"] and all(torch.equal(torch.tensor(b), built[n]) for n, b in
+                                 init["inv_freq"].items())
 
 
 def test_world_size_mismatch_is_refused_before_work(gpt) -> None:
@@ -128,8 +157,9 @@ def test_pipeline_schedules_match_single_process(gpt4, schedule: str) -> None:
 def test_pipeline_combinations_match_single_process(gpt4, pins: dict) -> None:
     source, graph, reference = gpt4
     plan = _plan(graph, 4, tp=1, microbatch_size=1, schedule="1f1b", **pins)
-    losses, _ = run_ranks(source, plan, STEPS)
+    losses, _, init = run_ranks(source, plan, STEPS, probe=_init_probe)
     assert losses == pytest.approx(reference, rel=1e-4)
+    _check_init(init, sharded=True)  # a stage's modules (and their dp shard) only
 
 
 def test_tiny_mixtral_dp2_zero3_matches_single_process() -> None:

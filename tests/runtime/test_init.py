@@ -167,6 +167,39 @@ def test_stages_traced_from_a_meta_model_get_the_same_weights() -> None:
     assert torch.equal(stages[1](stages[0](ids)), plain(ids))
 
 
+def test_hf_stages_traced_on_meta_run_on_the_real_device() -> None:
+    """Tracing a transformers model on meta bakes device=meta into its stages' nested graphs
+    (positional aten.to.device arguments, _assert_tensor_metadata keywords); after
+    retarget_graph_devices and materialize the two stages compute what one process does."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from autopar.runtime.pipeline import retarget_graph_devices
+
+    source = _source("tiny-llama")
+    plain = _materialized(source)
+    model = build_from_source(source, SEED, "meta")
+    reference = copy.deepcopy(model)
+    pipe = pipeline(model, mb_args=(torch.zeros(1, 32, dtype=torch.long),),
+                    mb_kwargs={"use_cache": False},
+                    split_spec={"model.layers.1": SplitPoint.BEGINNING})
+    stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+
+    def baked(stage: nn.Module) -> int:
+        return sum("device(type='meta')" in repr((n.args, n.kwargs)) for m in stage.modules()
+                   if isinstance(getattr(m, "graph", None), torch.fx.Graph) for n in m.graph.nodes)
+
+    assert baked(stages[0]) > 0
+    for stage in stages:
+        retarget_graph_devices(stage, torch.device("cpu"))
+        assert baked(stage) == 0
+        materialize(stage, SEED, reference=reference)
+    ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(1))
+    first = stages[0](ids)
+    out = stages[1](*(first if isinstance(first, tuple) else (first,)))
+    out = out[0] if isinstance(out, tuple) else out
+    assert torch.equal(out, plain(ids, use_cache=False).logits)
+
+
 def test_bad_input_is_refused_with_the_fix() -> None:
     with pytest.raises(autopar.PlanError, match="device='meta'"):
         materialize(GPT(GPT_CFG), SEED)
