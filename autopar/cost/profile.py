@@ -13,7 +13,8 @@ least-squares fit of ``rate(d) / peak = d / (d + half)`` over the square fp32 d 
 dtype (fp32 on CPU, bf16 on GPU).
 
 On CPU one "device" is one of ``nprocs`` processes sharing the machine, as the gloo runtime runs
-them: compute is measured with ``cpu_count // nprocs`` threads, the memory bandwidth measured with
+them: compute is measured with ``cpu_count // nprocs`` threads (and scaled by cores / nprocs when
+there are more processes than cores), the memory bandwidth measured with
 all threads is divided by ``nprocs``, and ``memory_bytes`` is the RAM divided by ``nprocs``.
 """
 
@@ -219,7 +220,9 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
         attn_dtype = "bf16" if gpu else "fp32"  # the dtype a GPU trains attention in
         attn = measure_attention(dev, DTYPES[attn_dtype], plan["attention_seq"], plan["repeats"])
     mem = measure_memory_bandwidth(dev, plan["mem_bytes"], 3 * plan["repeats"])
-    peak = {name: max(r["flops"] for r in rows) for name, rows in mm.items()}
+    # more processes than cores: each process gets cpus/nprocs of a core while all compute
+    core_share = 1.0 if gpu or nprocs <= cpus else cpus / nprocs
+    peak = {name: max(r["flops"] for r in rows) * core_share for name, rows in mm.items()}
     half = fit_half_dim([(r["m"], r["flops"] / peak["fp32"]) for r in mm["fp32"]
                          if r["kind"] == "square"])
     share = 1 if gpu else nprocs
@@ -268,7 +271,9 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
         "sources": {
             "peak_flops": "best torch.mm rate of the sweep (efficiency.matmul = 1.0)"
                           + ("" if gpu else f", {threads} thread(s) per process; fp16 up to "
-                             "256^3 only"),
+                             "256^3 only")
+                          + (f"; x {core_share:.2f}: {nprocs} processes share {cpus} cores"
+                             if core_share < 1 else ""),
             "matmul_half_dim": "least-squares fit of d/(d+half) to square fp32 d^3 matmuls",
             "memory_bandwidth": "best of copy / add over a large tensor (efficiency.memory = 1.0)"
                                 + ("" if gpu else f", divided among {nprocs} processes"),
