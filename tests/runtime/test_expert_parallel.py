@@ -10,7 +10,7 @@ from torch import nn
 import autopar
 from autopar.runtime.source import describe_source
 
-from .harness import run_ranks
+from .harness import rank_context, run_ranks
 from .test_equivalence import _megatron
 
 pytestmark = pytest.mark.dist
@@ -226,11 +226,10 @@ def _dispatch_worker(rank: int, port: int, skew: bool, out) -> None:
 
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "one rank idle"])
 def test_dispatch_matches_the_original_experts(skew: bool) -> None:
-    import torch.multiprocessing as mp
 
     from autopar.cost.profile_comm import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_dispatch_worker, args=(r, port, skew, out), daemon=True)
              for r in range(2)]

@@ -17,6 +17,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.init import canonical_fqn, materialize
 from autopar.runtime.source import build_from_source, describe_source
 
+from .harness import rank_context
 from .test_init import GPT_CFG, SEED, _source, _tensors
 
 pytestmark = pytest.mark.dist
@@ -186,11 +187,10 @@ def _worker(rank: int, port: int, cases: list, out) -> None:
 
 
 def _run_two_ranks(cases: list, timeout_s: float = 600.0) -> list[dict]:
-    import torch.multiprocessing as mp
 
     from autopar.cost.profile_comm import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, cases, out), daemon=True)

@@ -8,7 +8,6 @@ import queue
 from datetime import timedelta
 
 import pytest
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
@@ -16,7 +15,7 @@ from autopar.cost.profile_comm import free_port
 from autopar.models import GPT, GPTConfig, token_inputs
 from autopar.runtime.source import describe_source
 
-from .harness import run_ranks
+from .harness import rank_context, run_ranks
 from .test_equivalence import _megatron, _plan
 
 pytestmark = pytest.mark.dist
@@ -101,7 +100,7 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, out
 def _run(source: dict, plan, timeout_s: float = 300.0):
     """(losses, sharded parameter names, collectives of the last step by kind, forward
     collectives per module) of rank 0."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, plan.devices, port, source, plan.to_dict(),
