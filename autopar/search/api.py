@@ -109,13 +109,16 @@ def _placements(graph: Graph, config: ParallelConfig) -> dict:
     params: dict[str, str] = {}
     nodes: dict[str, dict[str, str]] = {}
     zero = "+Shard(0)@dp" if config.zero_stage == 3 else ""
+    # an expert weight may first be read by a plain indexing op: decide by any expert use
+    experts = {p for op in graph.ops if op.kind is OpKind.MOE_EXPERT for p in op.params}
     for block in graph.blocks:
         layout = tp_layout(graph, block, config.tp)
         per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
             else None
         for name in block.nodes:
             op = graph.op(name)
-            if op.kind is OpKind.MOE_EXPERT:
+            if op.kind is OpKind.MOE_EXPERT or (experts and set(op.params) <= experts
+                                                 and op.params):
                 where = "Shard(0)@ep" if config.ep > 1 else "Replicate"
             elif name in layout.column and config.tp > 1:
                 where = "Shard(0)@tp"  # output features split: column parallel

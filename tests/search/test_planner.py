@@ -142,3 +142,13 @@ def test_search_proposes_only_what_the_runtime_runs() -> None:
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=3, tp=2)) is None
     with pytest.raises(autopar.InfeasibleError, match="runtime can run"):
         autopar.plan(graph, devices=4, global_batch=8, constraints=dict(ep=2, pp=2))
+
+
+def test_expert_weights_are_placed_on_the_expert_axis() -> None:
+    graph = autopar.capture("tiny-mixtral", seq=32)
+    plan = autopar.plan(graph, devices=4, global_batch=8,
+                        constraints=dict(ep=2, dp=2, tp=1, pp=1, zero_stage=3))
+    params = plan.placements["params"]
+    experts = [p for p in params if ".experts." in p]
+    assert experts and all(params[p] == "Shard(0)@ep+Shard(0)@dp" for p in experts)
+    assert params["model.layers.0.self_attn.q_proj.weight"] == "Shard(0)@dp"
