@@ -44,3 +44,12 @@ def test_train_gpt_cpu_example(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pipeline:" in (out / "recipe.txt").read_text()
     assert len((out / "logs" / "train.jsonl").read_text().splitlines()) == 10
+
+
+def test_train_mixtral_ep_cpu_example(tmp_path) -> None:
+    out = tmp_path / "art"
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_mixtral_ep_cpu.py"), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ep=2" in result.stdout and result.stdout.count("one process") == 4
+    assert len((out / "logs" / "train.jsonl").read_text().splitlines()) == 4
