@@ -85,6 +85,8 @@ def _disk_keys(trainer: Trainer, local: dict) -> dict[str, list[str]]:
             # drop the stage's ModuleList index; every name of a tied weight stays, as in the
             # model's own state_dict
             disk = f"model.{rest.split('.', 1)[1]}"
+            if disk[len("model."):] not in getattr(trainer, "state_keys", (disk[6:],)):
+                continue  # a non-persistent buffer the trace registered (rotary inv_freq)
         else:
             section, tail = rest.split(".", 1)
             # the parameter's FQN is the longest key prefix the model has (names contain dots)

@@ -91,6 +91,8 @@ class Trainer:
         # the unparallelised meta model: materialize reads each module's class and init rule
         # from it (parallelism replaces both); a meta copy costs no memory
         reference = copy.deepcopy(model)
+        # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
+        self.state_keys = frozenset(reference.state_dict())
         self.dp_rank, dp_mesh, self.pipe, self.experts = 0, None, None, []
         if world > 1:
             from autopar.runtime.mesh import build_mesh
