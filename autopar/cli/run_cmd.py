@@ -81,9 +81,12 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
 
             last = latest_checkpoint(ckpt)
             reason = " ".join(str(exc).split())[:200]
+            lost = isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
+                word in reason.lower() for word in ("connection", "peer", "timed out", "gloo"))
+            what = ("lost its peers" if lost else "failed") + f" at step {trainer.step_index}"
+            cause = "a process died or the network failed" if lost else "an error on this rank"
             raise RunFailure(
-                f"rank {trainer.rank} lost its peers at step {trainer.step_index} (a process "
-                f"died or the network failed: {reason}); last complete checkpoint: "
+                f"rank {trainer.rank} {what} ({cause}: {reason}); last complete checkpoint: "
                 f"{last or 'none'}; relaunch with --resume") from None
         if trainer.rank == 0:
             click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "

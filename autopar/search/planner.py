@@ -193,7 +193,7 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
                                  offload=frozenset(offload))
-                if unsupported(config):
+                if unsupported(config, facts.experts > 0):
                     rejected["runtime"] = rejected.get("runtime", 0) + 1
                     continue
                 bound = lb + _update_time_lower_bound(graph, facts, cluster, config, train)
@@ -372,8 +372,9 @@ def _infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devic
     if leanest is None and rejected.get("runtime"):
         return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
                 f"can run: the constraints leave only combinations it does not support "
-                f"(sequence parallelism inside pipeline stages, or expert parallelism with "
-                f"pipelines, sequence parallelism or ZeRO-1); relax those constraints")
+                f"(sequence parallelism inside pipeline stages, pipelines of mixture-of-experts "
+                f"models, or expert parallelism with sequence parallelism or ZeRO-1); relax "
+                f"those constraints")
     if leanest is None:
         return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
                 f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "

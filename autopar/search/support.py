@@ -8,9 +8,12 @@ from __future__ import annotations
 from autopar.cost.config import ParallelConfig
 
 
-def unsupported(config: ParallelConfig) -> str | None:
-    """Why the runtime cannot run ``config``, or None when it can."""
+def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
+    """Why the runtime cannot run ``config`` (for a mixture-of-experts model when ``moe``),
+    or None when it can."""
     tp, pp, ep = config.tp, config.pp, config.ep
+    if moe and pp > 1:
+        return "pipelines of mixture-of-experts models"
     if config.sequence_parallel and tp > 1 and pp > 1:
         return "sequence parallelism inside pipeline stages"
     if ep > 1 and pp > 1:

@@ -267,3 +267,16 @@ def test_expert_modules_it_cannot_split_are_refused() -> None:
     plan = type("P", (), {"mesh": {"ep": 2}})()
     with pytest.raises(autopar.PlanError, match="no expert modules.*ep=1"):
         apply_expert_parallel(nn.Sequential(nn.Linear(4, 4)), plan, ep_mesh=None)
+
+
+def test_pipelines_of_moe_models_are_neither_planned_nor_run(graph) -> None:
+    """The traced expert kernels do not run on the host: the search never proposes pp for an
+    MoE model, and a hand-edited plan is refused before any training."""
+    with pytest.raises(autopar.InfeasibleError, match="mixture-of-experts"):
+        _plan(graph, 2, pp=2, ep=1)
+    plan = _plan(graph, 2, dp=2, ep=1, tp=1, zero_stage=0, microbatch_size=1)
+    plan.mesh = {**plan.mesh, "pp": 2, "dp": 1}
+    plan.num_microbatches *= 2
+    plan.stages = [[0, 2], [2, len(plan.recompute)]]
+    with pytest.raises(RuntimeError, match="pipelines of mixture-of-experts models.*pp=1"):
+        run_ranks(describe_source("tiny-mixtral"), plan, 1)
