@@ -21,6 +21,7 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.memory import inflight_microbatches
 from autopar.errors import InfeasibleError
 from autopar.ir.graph import Graph
+from autopar.search.infeasible import infeasible_message
 from autopar.search.recompute import MODES, ModeCost, choose_recompute
 from autopar.search.space import (
     OFFLOAD_CHOICES,
@@ -337,7 +338,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
         if not any(facts.tp_ok(t) for t in divisors(devices) if t > cluster.devices_per_node):
             break  # no wider tensor-parallel degree to try across nodes
     if result is None:
-        raise InfeasibleError(_infeasible_message(graph, facts, cluster, devices, capacity,
+        raise InfeasibleError(infeasible_message(graph, facts, cluster, devices, capacity,
                                                   leanest, rejected, global_batch))
     if progress:
         progress(1.0, "done")
@@ -362,52 +363,3 @@ def _distinct_alternatives(found: list, best: ParallelConfig, keep: int
 
 def _shape(c: ParallelConfig) -> tuple:
     return (c.pp, c.dp, c.tp, c.ep, c.zero_stage, c.schedule, tuple(sorted(c.offload)))
-
-
-def _infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
-                        capacity: float, leanest: tuple | None, rejected: dict,
-                        global_batch: int) -> str:
-    from autopar.ir.summary import human
-
-    if leanest is None and rejected.get("runtime"):
-        return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
-                f"can run: the constraints leave only combinations it does not support "
-                f"(sequence parallelism inside pipeline stages, pipelines of mixture-of-experts "
-                f"models, or expert parallelism with sequence parallelism or ZeRO-1); relax "
-                f"those constraints")
-    if leanest is None:
-        return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
-                f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "
-                f"{facts.blocks} blocks, batch per replica) or by the constraints; use a global "
-                f"batch divisible by the data-parallel degree, another device count, or fewer "
-                f"constraints")
-    need, config, est = leanest
-    where = (f"the leanest candidate (pp={config.pp} dp={config.dp} tp={config.tp} "
-             f"ep={config.ep}, ZeRO-{config.zero_stage}, full recompute"
-             f"{', offload ' + '+'.join(sorted(config.offload)) if config.offload else ''}) "
-             f"needs {human(need, 'B')}")
-    if est is not None:
-        mem = est.memory
-        states = mem.params + mem.grads + mem.optimizer
-        parts = {"model states": states, "activations": mem.activations,
-                 "buffers (logits, gathered layers, buckets)": mem.buffers}
-        top = max(parts, key=parts.get)
-        where += f", {human(parts[top], 'B')} of it {top}"
-        if top == "model states":
-            way_out = "use more devices (ZeRO-3 splits the states), offload, or a larger device"
-        elif top == "activations":
-            way_out = ("use a shorter sequence, more pipeline or tensor-parallel devices, or a "
-                       "device with more memory")
-        else:
-            way_out = "use more tensor-parallel devices, a shorter sequence or a larger device"
-    else:
-        biggest = max(graph.blocks, key=lambda b: b.param_bytes)
-        layer = biggest.param_numel * 16  # mixed-precision Adam on one device
-        tp = next((t for t in divisors(devices) if facts.tp_ok(t) and layer / t <= capacity / 2),
-                  None)
-        where += (f"; the largest block ({biggest.name}) alone holds {human(layer, 'B')} of "
-                  f"weights, gradients and Adam states unsharded")
-        way_out = (f"use at least tp={tp}, ZeRO-3, offload, or more devices" if tp and tp > 1
-                   else "use more devices, offload, or a device with more memory")
-    return (f"no plan fits {human(capacity, 'B')} per device on {devices} x {cluster.name}: "
-            f"{where}; {way_out}")
