@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from autopar.cost.profile_comm import free_port
 
 
-def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, steps: int,
-            seed: int, out, checkpoint_dir: str | None = None, resume: bool = False,
+def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict, steps: int,
+            seed: int, checkpoint_dir: str | None = None, resume: bool = False,
             data: str = "synthetic", probe=None) -> None:
     import torch
     import torch.distributed as dist
@@ -53,25 +53,25 @@ def rank_context():
     return ctx
 
 
-def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
-              checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
-              probe=None) -> tuple:
-    """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
-    many of its parameters are sharded DTensors). ``probe``, a module-level function of the
-    Trainer, runs on every rank after training (collectives allowed); rank 0's result is
-    appended as a third item."""
+def spawn_ranks(target, world: int, args: tuple = (), timeout_s: float = 180.0,
+                replies: int = 1) -> list:
+    """Run ``target(rank, port, out, *args)`` on ``world`` local ranks and return the payloads of
+    the first ``replies`` messages each rank puts on ``out`` as ("ok", payload) (or
+    ("error", text), raised here as RuntimeError). The processes are always reaped."""
     ctx = rank_context()
     out = ctx.Queue()
-    world = plan.devices
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, source, plan.to_dict(), steps,
-                                               seed, out, checkpoint_dir, resume, data, probe),
-                         daemon=True)
+    procs = [ctx.Process(target=target, args=(r, port, out, *args), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
+    payloads = []
     try:
-        status, payload = out.get(timeout=timeout_s)
+        for _ in range(replies):
+            status, payload = out.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(payload)
+            payloads.append(payload)
     except queue.Empty:
         raise TimeoutError(f"no result from {world} ranks in {timeout_s} s") from None
     finally:
@@ -80,6 +80,16 @@ def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: floa
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return payloads
+
+
+def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
+              checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
+              probe=None) -> tuple:
+    """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
+    many of its parameters are sharded DTensors). ``probe``, a module-level function of the
+    Trainer, runs on every rank after training (collectives allowed); rank 0's result is
+    appended as a third item."""
+    return spawn_ranks(_worker, plan.devices,
+                       (plan.devices, source, plan.to_dict(), steps, seed, checkpoint_dir, resume,
+                        data, probe), timeout_s)[0]

@@ -10,7 +10,7 @@ from torch import nn
 import autopar
 from autopar.runtime.source import describe_source
 
-from .harness import rank_context, run_ranks
+from .harness import run_ranks, spawn_ranks
 from .test_equivalence import _megatron
 
 pytestmark = pytest.mark.dist
@@ -171,7 +171,7 @@ def test_unsupported_combinations_are_refused(graph) -> None:
         check_expert_parallel(plan)
 
 
-def _dispatch_worker(rank: int, port: int, skew: bool, out) -> None:
+def _dispatch_worker(rank: int, port: int, out, skew: bool) -> None:
     """One rank of a 2-rank check of ExpertParallelExperts against the original module on the
     union of both ranks' tokens: outputs, and the gradients of the tokens, the top-k weights
     and the experts (each rank's experts collect the gradient of both ranks' tokens)."""
@@ -217,31 +217,16 @@ def _dispatch_worker(rank: int, port: int, skew: bool, out) -> None:
             pairs[name] = (p.grad.to_local(), ref_grads[name][2 * rank:2 * rank + 2])
         errors = {k: float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
                   for k, (a, b) in pairs.items()}  # relative to the largest entry
-        out.put((rank, errors, ep.tokens_received))
+        out.put(("ok", (rank, errors, ep.tokens_received)))
     except Exception as exc:  # reported to the test as text
-        out.put((rank, f"{type(exc).__name__}: {exc}", None))
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "one rank idle"])
 def test_dispatch_matches_the_original_experts(skew: bool) -> None:
-
-    from autopar.cost.profile_comm import free_port
-
-    ctx = rank_context()
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_dispatch_worker, args=(r, port, skew, out), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    results = sorted(spawn_ranks(_dispatch_worker, 2, (skew,), 120, replies=2))
     for rank, errors, _ in results:
         assert isinstance(errors, dict), errors
         assert max(errors.values()) < 1e-5, (rank, errors)

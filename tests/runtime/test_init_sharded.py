@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 from datetime import timedelta
 
 import pytest
@@ -17,7 +16,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.init import canonical_fqn, materialize
 from autopar.runtime.source import build_from_source, describe_source
 
-from .harness import rank_context
+from .harness import spawn_ranks
 from .test_init import GPT_CFG, SEED, _source, _tensors
 
 pytestmark = pytest.mark.dist
@@ -167,7 +166,7 @@ def _scenario(source: dict, how: str, plan_dict: dict | None) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, cases: list, out) -> None:
+def _worker(rank: int, port: int, out, cases: list) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -176,42 +175,21 @@ def _worker(rank: int, port: int, cases: list, out) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
         results = {key: _scenario(source, how, plan) for key, source, how, plan in cases}
         dist.barrier()
-        out.put(("ok", rank, results))
+        out.put(("ok", (rank, results)))
     except Exception as exc:  # reported to the test as text
         import traceback
 
-        out.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
+                           f"{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _run_two_ranks(cases: list, timeout_s: float = 600.0) -> list[dict]:
-
-    from autopar.cost.profile_comm import free_port
-
-    ctx = rank_context()
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, cases, out), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
     results: list[dict] = [{}, {}]
-    try:
-        for _ in procs:
-            status, rank, payload = out.get(timeout=timeout_s)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank}: {payload}")
-            results[rank] = payload
-    except queue.Empty:
-        raise TimeoutError(f"no result from 2 ranks in {timeout_s} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    for rank, payload in spawn_ranks(_worker, 2, (cases,), timeout_s, replies=2):
+        results[rank] = payload
     return results
 
 

@@ -4,18 +4,16 @@ trajectory (fp32, gloo, CPU), and the step really runs the collectives they prom
 from __future__ import annotations
 
 import os
-import queue
 from datetime import timedelta
 
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.cost.profile_comm import free_port
 from autopar.models import GPT, GPTConfig, token_inputs
 from autopar.runtime.source import describe_source
 
-from .harness import rank_context, run_ranks
+from .harness import run_ranks, spawn_ranks
 from .test_equivalence import _megatron, _plan
 
 pytestmark = pytest.mark.dist
@@ -51,7 +49,7 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, out) -> None:
+def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict) -> None:
     """Train STEPS steps, the last under a collective counter. Rank 0 reports its losses, the
     names of its sharded DTensor parameters, the step's collectives by kind, and (with one
     micro-batch, where CommDebugMode can follow modules) the forward collectives per module."""
@@ -100,27 +98,8 @@ def _worker(rank: int, world: int, port: int, source: dict, plan_dict: dict, out
 def _run(source: dict, plan, timeout_s: float = 300.0):
     """(losses, sharded parameter names, collectives of the last step by kind, forward
     collectives per module) of rank 0."""
-    ctx = rank_context()
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, plan.devices, port, source, plan.to_dict(),
-                                               out), daemon=True)
-             for r in range(plan.devices)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = out.get(timeout=timeout_s)
-    except queue.Empty:
-        raise TimeoutError(f"no result from {plan.devices} ranks in {timeout_s} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return spawn_ranks(_worker, plan.devices, (plan.devices, source, plan.to_dict()),
+                       timeout_s)[0]
 
 
 def _assert_sequence_parallel_layers(per_module: dict, layers: list[str]) -> None:
