@@ -162,6 +162,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def quick_profile(nprocs: int) -> str:
+    """Measure this machine with a quick ``nprocs``-process profile; returns the YAML path."""
+    from autopar.cost.profile import profile_machine, write_profile
+
+    print(f"profiling this machine ({nprocs} processes, quick)...", file=sys.stderr)
+    path = os.path.join(tempfile.mkdtemp(), "profile.yaml")
+    write_profile(profile_machine(nprocs=nprocs, quick=True), path)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="profile YAML from `autopar profile` (default: measure one)")
@@ -169,13 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     from autopar.cost.hardware import load_cluster
 
-    path = args.profile
-    if path is None:
-        from autopar.cost.profile import profile_machine, write_profile
-
-        print("profiling this machine (quick)...", file=sys.stderr)
-        path = os.path.join(tempfile.mkdtemp(), "profile.yaml")
-        write_profile(profile_machine(nprocs=2, quick=True), path)
+    path = args.profile or quick_profile(nprocs=2)
     cluster = load_cluster(path)
     rows = []
     print(f"{'configuration':<30} {'predicted s':>11} {'measured s':>10} {'error':>7}")

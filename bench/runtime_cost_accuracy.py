@@ -16,15 +16,13 @@ import argparse
 import os
 import queue
 import statistics
-import sys
-import tempfile
 import time
 import warnings
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
+from cost_accuracy import quick_profile, spearman  # bench/ is on sys.path when run
 
 MODEL = dict(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8)
 GLOBAL_BATCH = 16
@@ -130,11 +128,6 @@ def measure(source: dict, plan, steps: int) -> float:
     return payload
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="profile YAML from `autopar profile` (default: measure one)")
@@ -146,13 +139,7 @@ def main() -> None:
     from autopar.models import GPT, GPTConfig, token_inputs
     from autopar.runtime.source import describe_source
 
-    path = args.profile
-    if path is None:
-        from autopar.cost.profile import profile_machine, write_profile
-
-        print(f"profiling this machine ({WORLD} processes, quick)...", file=sys.stderr)
-        path = os.path.join(tempfile.mkdtemp(), "profile.yaml")
-        write_profile(profile_machine(nprocs=WORLD, quick=True), path)
+    path = args.profile or quick_profile(nprocs=WORLD)
     cluster = load_cluster(path)
     model = GPT(GPTConfig(**MODEL))
     source = describe_source(model)
