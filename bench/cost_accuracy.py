@@ -162,6 +162,14 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def print_summary(rows: list[tuple[float, float, float]], profile: str) -> None:
+    """Rank correlation and median |error| of (predicted, measured, error) rows."""
+    preds, meas = [r[0] for r in rows], [r[1] for r in rows]
+    print(f"\nSpearman rank correlation: {spearman(preds, meas):.2f}   "
+          f"median |error|: {statistics.median(abs(r[2]) for r in rows):.0%}   "
+          f"(profile: {profile})")
+
+
 def quick_profile(nprocs: int) -> str:
     """Measure this machine with a quick ``nprocs``-process profile; returns the YAML path."""
     from autopar.cost.profile import profile_machine, write_profile
@@ -188,10 +196,7 @@ def main() -> None:
         err = (pred - meas) / meas
         rows.append((pred, meas, err))
         print(f"{case.name:<30} {pred:>11.3f} {meas:>10.3f} {err:>+7.0%}")
-    preds, meas = [r[0] for r in rows], [r[1] for r in rows]
-    print(f"\nSpearman rank correlation: {spearman(preds, meas):.2f}   "
-          f"median |error|: {statistics.median(abs(r[2]) for r in rows):.0%}   "
-          f"(profile: {path})")
+    print_summary(rows, path)
 
 
 if __name__ == "__main__":

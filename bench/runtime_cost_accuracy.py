@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
-from cost_accuracy import quick_profile, spearman  # bench/ is on sys.path when run
+from cost_accuracy import print_summary, quick_profile  # bench/ is on sys.path when run
 
 MODEL = dict(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8)
 GLOBAL_BATCH = 16
@@ -156,10 +156,7 @@ def main() -> None:
         rows.append((pred, meas, err))
         print(f"{name:<22} {pred:>11.3f} {meas:>10.3f} {err:>+7.0%}", flush=True)
     if len(rows) > 1:
-        preds, meas = [r[0] for r in rows], [r[1] for r in rows]
-        print(f"\nSpearman rank correlation: {spearman(preds, meas):.2f}   "
-              f"median |error|: {statistics.median(abs(r[2]) for r in rows):.0%}   "
-              f"(profile: {path})")
+        print_summary(rows, path)
 
 
 if __name__ == "__main__":

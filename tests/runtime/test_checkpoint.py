@@ -18,13 +18,6 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def gpt():
-    cfg = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_layers=2, n_heads=4)
-    model = GPT(cfg)
-    return describe_source(model), autopar.capture(model, token_inputs(1, cfg.seq_len))
-
-
-@pytest.fixture(scope="module")
 def reference(gpt) -> list[float]:
     """Seven uninterrupted steps in one process."""
     source, graph = gpt

@@ -17,6 +17,7 @@ from autopar.runtime.init import canonical_fqn, materialize
 from autopar.runtime.source import build_from_source, describe_source
 
 from .harness import spawn_ranks
+from .test_equivalence import _megatron
 from .test_init import GPT_CFG, SEED, _source, _tensors
 
 pytestmark = pytest.mark.dist
@@ -25,16 +26,6 @@ pytestmark = pytest.mark.dist
 # (tensor parallelism needs an even one)
 ODD_GPT = GPTConfig(vocab_size=125, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 BIG_GPT = GPTConfig(vocab_size=8192, seq_len=32, d_model=512, n_layers=4, n_heads=8)
-
-
-def _megatron(plan, column: tuple[str, ...], row: tuple[str, ...]):
-    params = plan.placements["params"]
-    for fqn in params:
-        if any(fqn.endswith(f".{c}.weight") for c in column):
-            params[fqn] = "Shard(0)@tp"
-        elif any(fqn.endswith(f".{r}.weight") for r in row):
-            params[fqn] = "Shard(1)@tp"
-    return plan
 
 
 def _plan(model, how: str, column=(), row=()) -> dict:
