@@ -29,11 +29,13 @@ def profile_text(data: dict, path: Path) -> str:
     prof = data["profile"]
     rows = [(f"peak {k}", _si(v, "FLOP/s")) for k, v in dev["peak_flops"].items()]
     rows += [
-        ("matmul half dim", f"{eff['matmul_half_dim']:.3g}"),
+        ("kernel overhead", _seconds(dev["kernel_overhead_s"])),
         ("attention / peak", f"{eff['attention']:.2f}"),
         ("memory bandwidth", _si(dev["memory_bandwidth"], "B/s")),
         ("memory per device", _si(dev["memory_bytes"], "B")),
         ("host bandwidth", _si(node["host_bandwidth"], "B/s")),
+        ("comm beside compute", f"{dev['overlap']['concurrent']:.2f} concurrent, compute "
+                                f"{dev['overlap']['compute_slowdown']:.0%} slower"),
     ]
     lines = [f"{data['name']}: {dev['type']} x {node['devices_per_node']} ({dev['backend']}, "
              f"{prof['nprocs']} processes, {prof['seconds']} s)"]

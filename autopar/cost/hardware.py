@@ -1,39 +1,14 @@
 """Hardware catalog: device and cluster descriptions loaded from ``cost_models/*.yaml``.
 
-Units everywhere: bytes, seconds, FLOP/s, bytes/s (SI: 1 GB = 1e9 bytes).
-A catalog file looks like::
-
-    name: a100-80g
-    device:
-      type: cuda                  # torch device type: cuda | cpu | npu
-      backend: nccl               # collective backend: nccl | gloo | hccl
-      peak_flops: {fp32: 19.5e12, tf32: 156e12, bf16: 312e12, fp16: 312e12}
-      memory_bytes: 85.9e9
-      usable_fraction: 0.92       # what the framework can allocate
-      memory_bandwidth: 2.039e12
-      efficiency:                 # achieved / peak, by op kind (calibrated by `autopar profile`)
-        matmul: 0.80              # large-shape matmul
-        matmul_half_dim: 128      # a dimension of this size halves matmul efficiency
-        memory: 0.85              # elementwise / norm / view-copy bandwidth
-        attention: 0.70
-        comm: 0.80                # collectives' achieved share of link bandwidth
-        overlap: 1.0              # share of communication that can run under compute
-    node:
-      devices_per_node: 8
-      intra_bandwidth: 300e9      # per device, one direction
-      intra_latency: 5.0e-6
-      inter_bandwidth: 25e9       # per device, one direction, across nodes
-      inter_latency: 1.0e-5
-      host_bandwidth: 25e9        # device <-> host (PCIe / C2C), for offload
-      host_memory_bytes: 1.0e12   # per node
-    sources: {peak_flops: "...", ...}
-
-Every number carries its source as a comment or in ``sources``.
+Units everywhere: bytes, seconds, FLOP/s, bytes/s (SI: 1 GB = 1e9 bytes). The format is
+documented in ``cost_models/README.md``. Every key is required: a catalog entry states each
+number with its source, and one that leaves a number out fails to load, naming the key. There
+is no silent default anywhere in the catalog.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -44,18 +19,30 @@ from autopar.errors import PlanError
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "tf32": "tf32",
                  "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "fp32": "fp32", "fp16": "fp16",
                  "bf16": "bf16", "fp8": "fp8"}
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fraction of peak, per op kind."""
+    """Achieved fraction of peak, per op kind (large, well-shaped operations)."""
 
-    matmul: float = 0.75
-    matmul_half_dim: float = 128.0
-    memory: float = 0.8
-    attention: float = 0.6
-    comm: float = 1.0  # achieved / link bandwidth for collectives
-    overlap: float = 1.0  # share of communication that can hide behind concurrent compute
+    matmul: float  # best-shape GEMM rate / dtype peak; tile and wave effects come on top
+    memory: float  # elementwise / copy bandwidth / memory_bandwidth
+    attention: float  # fused attention rate / dtype peak
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How communication overlaps compute on this device.
+
+    ``concurrent``: the share of a collective's time that can run while compute runs (1 where
+    collectives run on their own engines or SMs; less where they share cores, as gloo on CPU).
+    ``compute_slowdown``: compute that runs beside a collective takes ``1 + compute_slowdown``
+    times as long (shared SMs, memory bandwidth and caches).
+    """
+
+    concurrent: float
+    compute_slowdown: float
 
 
 @dataclass(frozen=True)
@@ -66,10 +53,15 @@ class DeviceSpec:
     type: str  # torch device type
     backend: str  # collective backend
     peak_flops: dict[str, float]  # by dtype short name: fp32, tf32, bf16, fp16, fp8
+    tensor_core_dtypes: tuple[str, ...]  # dtypes the matrix units run (empty: none)
+    compute_units: int  # streaming multiprocessors (1 for a CPU process: no wave effect)
+    matmul_tile: tuple[int, int]  # output tile (rows, cols) one unit computes at a time
+    kernel_overhead_s: float  # fixed time of every launched kernel (launch and ramp)
     memory_bytes: float
     usable_fraction: float
     memory_bandwidth: float
-    efficiency: Efficiency = field(default_factory=Efficiency)
+    efficiency: Efficiency
+    overlap: Overlap
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -86,11 +78,19 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class NodeSpec:
+    """One node and its links. Bandwidths are per device and one direction; ``*_efficiency``
+    is the share of that line rate collectives achieve (nccl-tests bus bandwidth / line rate);
+    latencies are per ring step of the backend's bulk protocol, plus a fixed start-up
+    ``collective_latency`` per collective."""
+
     devices_per_node: int
     intra_bandwidth: float
+    intra_efficiency: float
     intra_latency: float
     inter_bandwidth: float
+    inter_efficiency: float
     inter_latency: float
+    collective_latency: float
     host_bandwidth: float
     host_memory_bytes: float
 
@@ -141,52 +141,93 @@ class Cluster:
         per = self.node.devices_per_node  # type: ignore[union-attr]
         return replace(self, nodes=max(1, -(-total // per)))
 
+    def perturbed(self, comm_slower: float = 1.0, overlap_scale: float = 1.0) -> Cluster:
+        """This cluster with every collective ``comm_slower`` times slower (bandwidths divided,
+        latencies multiplied) and the concurrent share of communication scaled by
+        ``overlap_scale``: what the robustness check of a plan asks."""
+        node, device = self.node, self.device
+        assert isinstance(device, DeviceSpec) and node is not None
+        node = replace(node, intra_bandwidth=node.intra_bandwidth / comm_slower,
+                       inter_bandwidth=node.inter_bandwidth / comm_slower,
+                       intra_latency=node.intra_latency * comm_slower,
+                       inter_latency=node.inter_latency * comm_slower,
+                       collective_latency=node.collective_latency * comm_slower)
+        overlap = replace(device.overlap, concurrent=device.overlap.concurrent * overlap_scale)
+        fits = tuple((k, a * comm_slower, b / comm_slower) for k, a, b in self.collective_fits)
+        return replace(self, device=replace(device, overlap=overlap), node=node,
+                       devices_per_node=None, collective_fits=fits)
+
 
 def catalog_names() -> list[str]:
     return sorted(p.stem for p in data_dir("cost_models").glob("*.yaml"))
 
 
-def _require(d: dict, key: str, where: str) -> object:
+_FORMAT = "see cost_models/README.md for the format"
+
+
+def _require(d: dict, key: str, where: str, section: str) -> object:
     if key not in d or d[key] is None:
-        raise PlanError(f"{where}: missing '{key}'; see cost_models/README.md for the format")
+        raise PlanError(f"{where}: missing '{section}.{key}'; every catalog number must be "
+                        f"stated with its source ({_FORMAT})")
     return d[key]
+
+
+def _section(d: dict, key: str, where: str, parent: str = "") -> dict:
+    name = f"{parent}.{key}" if parent else key
+    value = d.get(key)
+    if value is None:
+        raise PlanError(f"{where}: missing '{name}'; {_FORMAT}")
+    if not isinstance(value, dict):
+        raise PlanError(f"{where}: '{name}' must be a mapping; {_FORMAT}")
+    return value
+
+
+def _numbers(d: dict, cls: type, where: str, section: str) -> dict:
+    return {f.name: float(_require(d, f.name, where, section)) for f in fields(cls)}
 
 
 def parse_cluster(data: dict, where: str) -> Cluster:
     """Build a Cluster from a catalog mapping (the YAML's content)."""
     if not isinstance(data, dict):
-        raise PlanError(f"{where}: not a mapping; see cost_models/README.md for the format")
-    dev = _require(data, "device", where)
-    node = _require(data, "node", where)
-    for key, section in (("device", dev), ("node", node)):
-        if not isinstance(section, dict):
-            raise PlanError(f"{where}: '{key}' must be a mapping; see cost_models/README.md for the format")
-    eff = dev.get("efficiency") or {}
+        raise PlanError(f"{where}: not a mapping; {_FORMAT}")
+    dev = _section(data, "device", where)
+    node = _section(data, "node", where)
     try:
+        peak = _section(dev, "peak_flops", where, "device")
+        tensor = _require(dev, "tensor_core_dtypes", where, "device")
+        tile = _require(dev, "matmul_tile", where, "device")
+        if not isinstance(tensor, list) or not set(tensor) <= set(DTYPES):
+            raise ValueError(f"tensor_core_dtypes must be a list drawn from {list(DTYPES)}")
+        if not isinstance(tile, list) or len(tile) != 2:
+            raise ValueError("matmul_tile must be [rows, cols]")
         device = DeviceSpec(
             name=str(data.get("name") or Path(where).stem),
-            type=str(dev.get("type", "cuda")),
-            backend=str(dev.get("backend", "nccl")),
-            peak_flops={k: float(v) for k, v in _require(dev, "peak_flops", where).items()
-                        if v is not None},
-            memory_bytes=float(_require(dev, "memory_bytes", where)),
-            usable_fraction=float(dev.get("usable_fraction", 0.9)),
-            memory_bandwidth=float(_require(dev, "memory_bandwidth", where)),
-            efficiency=Efficiency(**{k: float(v) for k, v in eff.items()}),
+            type=str(_require(dev, "type", where, "device")),
+            backend=str(_require(dev, "backend", where, "device")),
+            peak_flops={k: float(v) for k, v in peak.items() if v is not None},
+            tensor_core_dtypes=tuple(str(t) for t in tensor),
+            compute_units=int(_require(dev, "compute_units", where, "device")),
+            matmul_tile=(int(tile[0]), int(tile[1])),
+            kernel_overhead_s=float(_require(dev, "kernel_overhead_s", where, "device")),
+            memory_bytes=float(_require(dev, "memory_bytes", where, "device")),
+            usable_fraction=float(_require(dev, "usable_fraction", where, "device")),
+            memory_bandwidth=float(_require(dev, "memory_bandwidth", where, "device")),
+            efficiency=Efficiency(**_numbers(_section(dev, "efficiency", where, "device"),
+                                             Efficiency, where, "device.efficiency")),
+            overlap=Overlap(**_numbers(_section(dev, "overlap", where, "device"), Overlap,
+                                       where, "device.overlap")),
         )
-        node_spec = NodeSpec(
-            devices_per_node=int(_require(node, "devices_per_node", where)),
-            intra_bandwidth=float(_require(node, "intra_bandwidth", where)),
-            intra_latency=float(node.get("intra_latency", 5e-6)),
-            inter_bandwidth=float(_require(node, "inter_bandwidth", where)),
-            inter_latency=float(node.get("inter_latency", 1e-5)),
-            host_bandwidth=float(_require(node, "host_bandwidth", where)),
-            host_memory_bytes=float(node.get("host_memory_bytes", 5e11)),
-        )
+        values = _numbers(node, NodeSpec, where, "node")
+        node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"])})
     except (TypeError, ValueError, AttributeError) as exc:
-        raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like 312e12") from None
+        raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like "
+                        f"312e12") from None
     if "fp32" not in device.peak_flops:
         raise PlanError(f"{where}: peak_flops needs at least fp32")
+    missing = [t for t in device.tensor_core_dtypes if t not in device.peak_flops]
+    if missing:
+        raise PlanError(f"{where}: tensor_core_dtypes lists {missing} without a peak_flops "
+                        f"value for it")
     fits = []
     for kind, fit in sorted((data.get("collectives") or {}).items()):
         if isinstance(fit, dict) and fit.get("alpha") is not None and fit.get("beta"):

@@ -7,10 +7,11 @@ points), ``measurements`` (the raw sweeps) and ``profile`` (how it was measured)
 
 Convention on a profiled machine: ``peak_flops[dtype]`` is the best rate measured over the
 matmul sweep and ``memory_bandwidth`` the best measured copy/add bandwidth, so
-``efficiency.matmul`` and ``efficiency.memory`` are 1.0; ``efficiency.matmul_half_dim`` is the
-least-squares fit of ``rate(d) / peak = d / (d + half)`` over the square fp32 d x d x d matmuls;
-``efficiency.attention`` is a measured scaled_dot_product_attention rate over the peak of its
-dtype (fp32 on CPU, bf16 on GPU).
+``efficiency.matmul`` and ``efficiency.memory`` are 1.0; ``kernel_overhead_s`` is a tiny op's
+time issued back to back; ``efficiency.attention`` is a measured
+scaled_dot_product_attention rate over the peak of its dtype (fp32 on CPU, bf16 on GPU); the
+``overlap`` figures come from matmuls run beside all_reduces (see
+:func:`autopar.cost.profile_comm.measure_collectives`).
 
 On CPU one "device" is one of ``nprocs`` processes sharing the machine, as the gloo runtime runs
 them: compute is measured with ``cpu_count // nprocs`` threads (and scaled by cores / nprocs when
@@ -119,20 +120,22 @@ def measure_matmul(device: torch.device | str, dtypes: list[str], sizes: list[in
     return out
 
 
-def fit_half_dim(points: list[tuple[float, float]]) -> float:
-    """Least-squares ``half`` of ``eff = d / (d + half)`` over ``[(d, eff), ...]`` (a log-grid
-    search refined by golden section; the loss is one-dimensional and smooth)."""
-    def loss(h: float) -> float:
-        return sum((e - d / (d + h)) ** 2 for d, e in points)
+def tensor_core_dtypes(device: torch.device) -> list[str]:
+    """The dtypes this device's matrix units run, from its CUDA compute capability."""
+    if device.type != "cuda":
+        return []
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 9:
+        return ["tf32", "bf16", "fp16", "fp8"]
+    if major >= 8:
+        return ["tf32", "bf16", "fp16"]
+    return ["fp16"] if major >= 7 else []
 
-    grid = [10 ** (i / 20) for i in range(-20, 101)]  # 0.1 .. 1e5
-    best = min(range(len(grid)), key=lambda i: loss(grid[i]))
-    lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(40):
-        x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        lo, hi = (lo, x2) if loss(x1) < loss(x2) else (x1, hi)
-    return (lo + hi) / 2
+
+def measure_kernel_overhead(device: torch.device, repeats: int) -> float:
+    """Seconds of one tiny op issued back to back: the fixed cost of every kernel."""
+    x = torch.ones(1, device=device)
+    return time_call(lambda: torch.add(x, x), device, repeats)
 
 
 def measure_memory_bandwidth(device: torch.device | str, nbytes: int = 256 << 20,
@@ -223,8 +226,7 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
     # more processes than cores: each process gets cpus/nprocs of a core while all compute
     core_share = 1.0 if gpu or nprocs <= cpus else cpus / nprocs
     peak = {name: max(r["flops"] for r in rows) * core_share for name, rows in mm.items()}
-    half = fit_half_dim([(r["m"], r["flops"] / peak["fp32"]) for r in mm["fp32"]
-                         if r["kind"] == "square"])
+    overhead = measure_kernel_overhead(dev, plan["repeats"])
     share = 1 if gpu else nprocs
     bandwidth = max(mem["copy"], mem["add"]) / share
     host_rates = measure_host_bandwidth(dev, plan["mem_bytes"], plan["repeats"]) if gpu else {}
@@ -233,13 +235,16 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
     memory_bytes = float(torch.cuda.get_device_properties(dev).total_memory) if gpu else ram / nprocs
 
     fits: dict[str, dict] = {}
-    overlap = 1.0
+    concurrent, slowdown = (1.0, 0.0)
+    overlap_src = "not measured (--nprocs 1): nothing to exchange with"
     if nprocs >= 2:
         left = timeout_s - (time.perf_counter() - started)
-        fits, overlap = measure_collectives(nprocs, backend, plan["comm_sizes"],
-                                            plan["comm_repeats"], timeout_s=max(60.0, left))
+        fits, (concurrent, slowdown) = measure_collectives(
+            nprocs, backend, plan["comm_sizes"], plan["comm_repeats"], timeout_s=max(60.0, left))
         intra_bw, intra_lat = fits["all_reduce"]["beta"], fits["all_reduce"]["alpha"]
         comm_src = f"all_reduce alpha-beta fit over {nprocs} {backend} ranks (bus bandwidth)"
+        overlap_src = ("matmuls timed beside a 128 MB all_reduce (slowdown) and a 16 MB "
+                       "all_reduce run beside them (concurrent share)")
     else:  # nothing to exchange with: the host path stands in, the latency is the default
         intra_bw, intra_lat = host_bw, 1e-5
         comm_src = "not measured (--nprocs 1): host_bandwidth and a 10 us default"
@@ -252,19 +257,28 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "type": dev.type,
             "backend": backend,
             "peak_flops": peak,
+            "tensor_core_dtypes": tensor_core_dtypes(dev),
+            "compute_units": (torch.cuda.get_device_properties(dev).multi_processor_count
+                              if gpu else 1),
+            "matmul_tile": [256, 128] if gpu else [1, 1],
+            "kernel_overhead_s": overhead,
             "memory_bytes": memory_bytes,
             "usable_fraction": 0.9,
             "memory_bandwidth": bandwidth,
-            "efficiency": {"matmul": 1.0, "matmul_half_dim": half, "memory": 1.0,
-                           "attention": min(1.0, attn / peak[attn_dtype]),
-                           "comm": 1.0, "overlap": round(overlap, 3)},
+            "efficiency": {"matmul": 1.0, "memory": 1.0,
+                           "attention": min(1.0, attn / peak[attn_dtype])},
+            "overlap": {"concurrent": round(concurrent, 3),
+                        "compute_slowdown": round(slowdown, 3)},
         },
         "node": {
             "devices_per_node": torch.cuda.device_count() if gpu else nprocs,
             "intra_bandwidth": intra_bw,
+            "intra_efficiency": 1.0,
             "intra_latency": intra_lat,
             "inter_bandwidth": intra_bw,
+            "inter_efficiency": 1.0,
             "inter_latency": intra_lat,
+            "collective_latency": intra_lat,
             "host_bandwidth": host_bw,
             "host_memory_bytes": ram,
         },
@@ -274,16 +288,21 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
                              "256^3 only")
                           + (f"; x {core_share:.2f}: {nprocs} processes share {cpus} cores"
                              if core_share < 1 else ""),
-            "matmul_half_dim": "least-squares fit of d/(d+half) to square fp32 d^3 matmuls",
+            "tensor_core_dtypes": "CUDA compute capability (7.x fp16; 8.x tf32, bf16, fp16; "
+                                  "9.x and up also fp8); none on a CPU",
+            "compute_units": "cuda multi_processor_count" if gpu else "one core per process",
+            "matmul_tile": "the typical cuBLAS tile (not measured)" if gpu else "no tiles",
+            "kernel_overhead_s": "median time of a one-element add, issued back to back",
             "memory_bandwidth": "best of copy / add over a large tensor (efficiency.memory = 1.0)"
                                 + ("" if gpu else f", divided among {nprocs} processes"),
             "attention": f"sdpa {attn_dtype} rate / peak_flops.{attn_dtype}",
-            "overlap": "16 MB all_reduce run concurrently with matmuls: share of the shorter "
-                       "one hidden (1.0 when nothing to exchange with)",
+            "overlap": overlap_src,
             "memory_bytes": "cuda total_memory" if gpu else f"RAM / {nprocs} processes",
             "usable_fraction": "default, not measured",
-            "intra_bandwidth": comm_src + "; achieved, so efficiency.comm = 1.0",
+            "intra_bandwidth": comm_src + "; achieved, so intra_efficiency = 1.0",
+            "intra_latency": comm_src, "collective_latency": comm_src,
             "inter_bandwidth": "single-node profile: inter_* copy the intra-node fit",
+            "inter_latency": "single-node profile: inter_* copy the intra-node fit",
             "host_bandwidth": "min of pinned h2d / d2h copies" if gpu else "memory_bandwidth",
         },
         "collectives": {k: {"alpha": v["alpha"], "beta": v["beta"], "model": _MODELS[k],

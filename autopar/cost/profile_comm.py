@@ -186,14 +186,19 @@ def _worker(rank: int, n: int, port: int, backend: str, sizes: list[int], repeat
         results.put(("error", f"rank {rank}: {last}"))
 
 
-def _measure_overlap(dist, torch, device, sync, repeats: int = 5) -> float:
-    """Share of a collective that hides behind concurrent compute: 1.0 where the two run on
-    separate engines (GPU SMs vs NCCL's), less where they share cores (CPU with gloo).
+def _measure_overlap(dist, torch, device, sync, repeats: int = 5) -> tuple[float, float]:
+    """(concurrent, compute_slowdown) of communication beside compute on this machine.
 
-    overlap = (t_compute + t_comm - t_both) / min(t_compute, t_comm), clamped to [0, 1].
+    ``compute_slowdown``: a short burst of matmuls timed while a longer all_reduce is in
+    flight, over the same burst alone, minus one. ``concurrent``: from a 16 MB all_reduce run
+    beside the burst, the share of the collective that ran concurrently, solving the cost
+    model's ``both = compute + comm - (1 - slowdown) x min(concurrent x comm, compute)``.
+    Near 1 and a small slowdown where the two run on separate engines (GPU SMs vs NCCL's);
+    lower where they share cores (CPU with gloo).
     """
     a = torch.randn(512, 512, device=device)
     buf = torch.ones(4 << 20, device=device)  # 16 MB fp32
+    big = torch.ones(32 << 20, device=device)  # 128 MB fp32: outlasts the burst
 
     def compute() -> None:
         for _ in range(8):
@@ -215,14 +220,31 @@ def _measure_overlap(dist, torch, device, sync, repeats: int = 5) -> float:
         compute()
         work.wait()
 
+    def under() -> float:
+        dist.barrier()
+        sync()
+        work = dist.all_reduce(big, async_op=True)
+        start = time.perf_counter()
+        compute()
+        sync()
+        seconds = time.perf_counter() - start
+        work.wait()
+        return seconds
+
     compute()
     t_compute = timed(compute)
     t_comm = timed(lambda: dist.all_reduce(buf))
     t_both = timed(both)
-    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-9)
-    verdict = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64, device=device)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    return float(verdict.item())
+    t_under = statistics.median(under() for _ in range(repeats))
+    slowdown = min(max(t_under / max(t_compute, 1e-9) - 1.0, 0.0), 4.0)
+    hidden = (t_compute + t_comm - t_both) / max((1 - min(slowdown, 0.99)) * t_comm, 1e-9)
+    verdict = torch.tensor([min(1.0, max(0.0, hidden)), slowdown], dtype=torch.float64,
+                           device=device)
+    gathered = [torch.zeros_like(verdict) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, verdict)
+    concurrent = min(float(v[0]) for v in gathered)
+    worst_slowdown = max(float(v[1]) for v in gathered)
+    return concurrent, worst_slowdown
 
 
 def check_nprocs(nprocs: int, backend: str) -> None:
@@ -237,11 +259,12 @@ def check_nprocs(nprocs: int, backend: str) -> None:
 
 
 def measure_collectives(nprocs: int, backend: str, sizes: list[int] | None = None,
-                        repeats: int = 5, timeout_s: float = 240.0) -> tuple[dict[str, dict], float]:
+                        repeats: int = 5, timeout_s: float = 240.0
+                        ) -> tuple[dict[str, dict], tuple[float, float]]:
     """Time the collectives on ``nprocs`` local ranks and fit alpha-beta per collective.
 
     Returns ``({collective: {"collective", "alpha", "beta", "points": [[bytes, s], ...]}},
-    overlap)`` where overlap is the measured share of communication hidden by compute.
+    (concurrent, compute_slowdown))``: the measured overlap of communication and compute.
     Raises AutoparError if a rank fails or the whole run exceeds ``timeout_s``; every child
     process is gone when this returns or raises.
     """

@@ -41,7 +41,12 @@ def test_every_entry_loads_and_is_sane(name):
     assert 0.5 <= dev.usable_fraction <= 1.0
     eff = dev.efficiency
     assert all(0 < f <= 1 for f in (eff.matmul, eff.memory, eff.attention))
-    assert eff.matmul_half_dim >= 1
+    assert set(dev.tensor_core_dtypes) <= set(dev.peak_flops)
+    assert dev.compute_units >= 1 and all(t >= 1 for t in dev.matmul_tile)
+    assert 0 < dev.kernel_overhead_s < 1e-4
+    assert 0 <= dev.overlap.concurrent <= 1 and 0 <= dev.overlap.compute_slowdown <= 1
+    assert 0 < node.intra_efficiency <= 1 and 0 < node.inter_efficiency <= 1
+    assert 0 < node.collective_latency < 1e-3
     assert node.devices_per_node >= 1
     for value in (node.intra_bandwidth, node.inter_bandwidth, node.host_bandwidth,
                   node.host_memory_bytes):
@@ -155,12 +160,18 @@ def _write_without(tmp_path: Path, section: str, key: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("section, key", [
-    ("device", "peak_flops"), ("device", "memory_bytes"), ("device", "memory_bandwidth"),
-    ("node", "devices_per_node"), ("node", "intra_bandwidth"), ("node", "inter_bandwidth"),
-    ("node", "host_bandwidth"),
-])
+_REQUIRED = [("device", k) for k in (
+    "type", "backend", "peak_flops", "tensor_core_dtypes", "compute_units", "matmul_tile",
+    "kernel_overhead_s", "memory_bytes", "usable_fraction", "memory_bandwidth", "efficiency",
+    "overlap")] + [("node", k) for k in (
+        "devices_per_node", "intra_bandwidth", "intra_efficiency", "intra_latency",
+        "inter_bandwidth", "inter_efficiency", "inter_latency", "collective_latency",
+        "host_bandwidth", "host_memory_bytes")]
+
+
+@pytest.mark.parametrize("section, key", _REQUIRED)
 def test_missing_required_key_is_a_one_line_plan_error(tmp_path, section, key):
+    """No silent defaults: every number of an entry is stated, or the entry does not load."""
     path = _write_without(tmp_path, section, key)
     with pytest.raises(PlanError) as excinfo:
         load_cluster(path)
@@ -168,20 +179,49 @@ def test_missing_required_key_is_a_one_line_plan_error(tmp_path, section, key):
     assert str(path) in message and key in message
 
 
+@pytest.mark.parametrize("sub, key", [("efficiency", k) for k in ("matmul", "memory",
+                                                                  "attention")]
+                         + [("overlap", k) for k in ("concurrent", "compute_slowdown")])
+def test_missing_efficiency_or_overlap_figure_fails_to_load(tmp_path, sub, key):
+    data = yaml.safe_load((CATALOG / "h100-80g.yaml").read_text())
+    del data["device"][sub][key]
+    path = tmp_path / "partial.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster(path)
+    assert f"device.{sub}.{key}" in _one_line_plan_error(excinfo)
+
+
+def test_default_precision_is_the_fastest_the_device_trains_in():
+    from autopar.cost.precision import default_precision
+
+    a100 = default_precision(load_cluster("a100-80g").device)
+    assert (a100.param, a100.compute, a100.reduce, a100.loss_scaling) == \
+        ("bf16", "bf16", "fp32", False)
+    v100 = default_precision(load_cluster("v100-16g").device)  # no bf16 tensor cores
+    assert (v100.compute, v100.loss_scaling) == ("fp16", True)
+    cpu = default_precision(load_cluster("cpu").device)
+    assert (cpu.param, cpu.compute, cpu.reduce) == ("fp32", "fp32", "fp32")
+
+
+def _complete_with(**device: object) -> str:
+    """The a100-80g entry with some device keys replaced, as YAML text."""
+    data = yaml.safe_load((CATALOG / "a100-80g.yaml").read_text())
+    data["device"].update(device)
+    return yaml.safe_dump(data)
+
+
 @pytest.mark.parametrize("text, needle", [
     ("name: x\n", "'device'"),
     ("device: {peak_flops: {fp32: 1e12}, memory_bytes: 1e9, memory_bandwidth: 1e11}\n", "'node'"),
     ("- just\n- a list\n", "not a mapping"),
     ("device: [1, 2]\nnode: {}\n", "'device' must be a mapping"),
-    ("device: {peak_flops: [1, 2], memory_bytes: 1, memory_bandwidth: 1}\n"
-     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
-     "bad value"),
-    ("device: {peak_flops: {bf16: 1e12}, memory_bytes: 1, memory_bandwidth: 1}\n"
-     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
-     "fp32"),
-    ("device: {peak_flops: {fp32: fast}, memory_bytes: 1, memory_bandwidth: 1}\n"
-     "node: {devices_per_node: 1, intra_bandwidth: 1, inter_bandwidth: 1, host_bandwidth: 1}\n",
-     "bad value"),
+    (_complete_with(peak_flops=[1, 2]), "'device.peak_flops' must be a mapping"),
+    (_complete_with(peak_flops={"bf16": 1e12}, tensor_core_dtypes=[]), "fp32"),
+    (_complete_with(peak_flops={"fp32": "fast"}), "bad value"),
+    (_complete_with(tensor_core_dtypes=["int4"]), "bad value"),
+    (_complete_with(tensor_core_dtypes=["fp8"]), "tensor_core_dtypes lists ['fp8']"),
+    (_complete_with(matmul_tile=128), "bad value"),
     ("device: {peak_flops: {fp32: 1e12}\n  memory_bytes: [\n", "cannot read cluster file"),
 ])
 def test_malformed_files_are_one_line_plan_errors(tmp_path, text, needle):
@@ -242,11 +282,11 @@ def test_every_number_has_a_source(name):
 
 def test_source_check_catches_a_bare_number():
     text = (CATALOG / "a100-80g.yaml").read_text()
-    bare = re.sub(r"(?m)^(  intra_latency: 5\.0e-6)\s+#.*$", r"\1", text)
+    bare = re.sub(r"(?m)^(  intra_latency: 3\.4e-6)\s+#.*$", r"\1", text)
     assert bare != text
     assert _unsourced_numbers(bare) == []  # still covered: intra_latency is in sources
-    uncovered = bare.replace('  intra_latency: "estimate"\n', "")
-    assert _unsourced_numbers(uncovered) == ["intra_latency: 5.0e-6"]
+    uncovered = re.sub(r'(?m)^  intra_latency: ".*"\n', "", bare)
+    assert _unsourced_numbers(uncovered) == ["intra_latency: 3.4e-6"]
 
 
 def test_cpu_entry_is_marked_placeholder():
