@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
+from autopar.cost.config import TPLayouts
 from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 
@@ -50,7 +51,7 @@ class SavedTensor:
 def storage_root(graph: Graph, name: str) -> str:
     """Follow views back to the op that owns the storage."""
     seen = 0
-    while name in graph._by_name and graph.op(name).kind is OpKind.VIEW and seen < 64:
+    while graph.has_op(name) and graph.op(name).kind is OpKind.VIEW and seen < 64:
         op = graph.op(name)
         if not op.inputs:
             break
@@ -116,7 +117,7 @@ def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
     """A saved input: the whole storage it views (q, k and v sliced from one qkv output keep
     that output alive once)."""
     root = storage_root(graph, src)
-    if root in graph._by_name:
+    if graph.has_op(root):
         nbytes = graph.op(root).output_meta[0].nbytes
     else:
         nbytes = _input_bytes(graph, op, i)
@@ -138,17 +139,19 @@ def block_activation_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     scale: float = 1.0,
+    layouts: TPLayouts | None = None,
 ) -> ActivationBreakdown:
     """Activation bytes of ``block`` per micro-batch on one device.
 
     ``scale`` rescales every byte count, e.g. (micro-batch / captured batch) x (bytes of the
-    training dtype / bytes of the captured dtype).
+    training dtype / bytes of the captured dtype). ``layouts`` are the tensor-parallel layouts
+    the search chose (None: the Megatron layout).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
     grad_ops = requires_grad(graph)
     members = set(block.nodes)
-    layout: TPLayout = tp_layout(graph, block, tp)
+    layout: TPLayout = tp_layout(graph, block, layouts)
     core = attention_core(graph, block) if recompute == "selective" else set()
 
     def divisor(root: str) -> int:

@@ -1,16 +1,27 @@
-"""Collective times by the alpha-beta model on the links a mesh axis actually uses.
+"""Collective times on the links a mesh axis uses, priced the way NCCL prices them.
 
-Ring algorithms, with n ranks, message B bytes (the full buffer), per-hop latency alpha and
-per-device one-way bandwidth beta:
+A collective over ``n`` ranks, ``k`` of them per node on ``N`` nodes, costs a latency plus its
+bytes over the bus bandwidth (nccl-tests' ``busbw``):
 
-- all_reduce: 2(n-1) alpha + 2 (n-1)/n B / beta
-- all_gather (B = gathered output), reduce_scatter (B = input), all_to_all: (n-1) alpha + (n-1)/n B / beta
-- broadcast: ceil(log2 n) alpha + B / beta (pipelined)
-- send_recv: alpha + B / beta
+- all_reduce: ``lat + 2 (n-1)/n S / busbw``; all_gather (S = gathered output) and
+  reduce_scatter (S = input): ``lat + (n-1)/n S / busbw``; broadcast: ``lat + S / busbw``.
+- Ring latency (NCCL ``src/graph/tuning.cc``): ``base + (steps - inter_steps) intra_hop +
+  inter_steps inter_hop`` with ``steps`` = 2(n-1) for all_reduce and n-1 for all_gather and
+  reduce_scatter, of which 2(N-1), resp. N-1, cross the network. It grows linearly with the
+  rank count: at thousands of ranks a ring collective costs milliseconds before any byte moves.
+- Ring bus bandwidth: the slower of the intra-node link and the group's NICs,
+  ``min(intra_bw x intra_eff, k x inter_bw x inter_eff)`` (each device drives its own share of
+  the node's network; a group with one member per node gets one share).
+- NCCL also runs all_reduce as a double binary tree across nodes (latency
+  ``base + 2 ((k-1) intra_hop + log2(N) inter_hop)``, time ``2 S / busbw``, with NCCL's
+  per-size tree correction) and in three protocols (LL, LL128, Simple) that trade latency for
+  bandwidth; it picks the fastest, and so does this model. all_gather and reduce_scatter are
+  rings on nodes of several GPUs (NCCL's PAT algorithm needs one GPU per node).
 
-An axis whose ranks fit in one node uses the intra-node link; one whose ranks are each on a
-different node uses the network; one with k ranks per node on several nodes is hierarchical:
-reduce-scatter inside the node, the collective across nodes on B / k, all-gather inside again.
+The catalog gives the Simple protocol's ring hop latencies (``intra_latency``,
+``inter_latency``) and start-up (``collective_latency``); the other protocols and the tree scale
+NCCL's own table by them. Backends other than nccl (gloo, hccl) run one ring protocol with the
+catalog's numbers. A ``collectives`` fit from `autopar profile` replaces the model inside a node.
 """
 
 from __future__ import annotations
@@ -24,6 +35,25 @@ from autopar.cost.hardware import Cluster
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "send_recv")
 
+# NVIDIA/nccl src/graph/tuning.cc at commit 51c58fd6 (post-2.23), microseconds, per protocol
+# (LL, LL128, Simple): baseLat and hwLat[NVLINK] / hwLat[NET] of the Ring and Tree algorithms
+_NCCL_BASE = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4)}
+_NCCL_INTRA = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0)}
+_NCCL_INTER = {"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0)}
+# bus bandwidth factors per protocol (same file): ring LL x 1/2, LL128 x 0.92; tree LL x 1/3.8,
+# LL128 x 120/128 across nodes, Simple x 0.92
+_NCCL_BW = {"ring": (0.5, 0.92, 1.0), "tree": (1 / 3.8, 120 / 128, 0.92)}
+# treeCorrectionFactor[protocol][log2(bytes / 64)], 64 B .. 256 MB (same file)
+_TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0,
+     1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9,
+     1.0, 1.0, 1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9,
+     .9, .9),
+)
+_US = 1e-6
+
 
 @dataclass(frozen=True)
 class Link:
@@ -32,7 +62,8 @@ class Link:
 
 
 def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """One flat collective over ``n`` ranks on one kind of link."""
+    """One flat alpha-beta ring over ``n`` ranks on one kind of link (``latency`` per step):
+    the form `autopar profile` fits its measurements to."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     a, bw = link.latency, link.bandwidth
@@ -76,46 +107,120 @@ def axis_placement(config: ParallelConfig, axis: str, devices_per_node: int) -> 
     return AxisPlacement(size, per_node, -(-size // per_node))
 
 
-def intra_link(cluster: Cluster) -> Link:
-    eff = cluster.device.efficiency.comm
-    return Link(cluster.node.intra_bandwidth * eff, cluster.node.intra_latency)
+def _bus_bandwidth(placement: AxisPlacement, cluster: Cluster) -> float:
+    node = cluster.node
+    intra = node.intra_bandwidth * node.intra_efficiency
+    if placement.nodes <= 1:
+        return intra
+    network = placement.per_node * node.inter_bandwidth * node.inter_efficiency
+    return min(intra, network) if placement.per_node > 1 else network
 
 
-def inter_link(cluster: Cluster) -> Link:
-    eff = cluster.device.efficiency.comm
-    return Link(cluster.node.inter_bandwidth * eff, cluster.node.inter_latency)
+def _volume(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank's bus carries, as nccl-tests converts algbw to busbw."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    return nbytes
+
+
+def _ring_steps(kind: str, n: int, nodes: int) -> tuple[int, int]:
+    """(steps, steps that cross the network) of a ring collective (NCCL tuning.cc)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (nodes - 1)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, nodes - 1
+    return n, nodes - 1
+
+
+def _nccl_time(kind: str, nbytes: float, placement: AxisPlacement, cluster: Cluster) -> float:
+    node = cluster.node
+    n, k, nodes = placement.size, placement.per_node, placement.nodes
+    busbw = _bus_bandwidth(placement, cluster)
+    volume = _volume(kind, nbytes, n)
+    # the catalog's Simple-protocol numbers scale NCCL's table for the other protocols
+    intra_scale = node.intra_latency / (_NCCL_INTRA["ring"][2] * _US)
+    inter_scale = node.inter_latency / (_NCCL_INTER["ring"][2] * _US)
+    base_scale = node.collective_latency / (_NCCL_BASE["ring"][2] * _US)
+    steps, inter_steps = _ring_steps(kind, n, nodes)
+    best = float("inf")
+    for p in range(3):
+        lat = (_NCCL_BASE["ring"][p] * base_scale
+               + (steps - inter_steps) * _NCCL_INTRA["ring"][p] * intra_scale
+               + inter_steps * _NCCL_INTER["ring"][p] * inter_scale) * _US
+        best = min(best, lat + volume / (busbw * _NCCL_BW["ring"][p]))
+    if kind == "all_reduce" and nodes > 1:
+        index = min(max(int(math.log2(max(nbytes, 64) / 64)), 0), len(_TREE_CORRECTION[0]) - 1)
+        for p in range(3):
+            lat = (_NCCL_BASE["tree"][p] * base_scale
+                   + 2 * ((k - 1) * _NCCL_INTRA["tree"][p] * intra_scale
+                          + math.log2(nodes) * _NCCL_INTER["tree"][p] * inter_scale)) * _US
+            bw = busbw * _NCCL_BW["tree"][p] * _TREE_CORRECTION[p][index]
+            best = min(best, lat + 2 * nbytes / bw)
+    return best
+
+
+def _all_to_all_time(nbytes: float, placement: AxisPlacement, cluster: Cluster) -> float:
+    """Every rank sends ``(n-1)/n`` of its ``nbytes`` to the others, one message per peer:
+    what leaves the node goes through the sender's own share of the network, the rest over
+    the intra-node link; the two run at once."""
+    node = cluster.node
+    n, k, nodes = placement.size, placement.per_node, placement.nodes
+    lat = node.collective_latency + (k - 1) * node.intra_latency + (n - k) * node.inter_latency
+    local = nbytes * (k - 1) / n / (node.intra_bandwidth * node.intra_efficiency)
+    remote = nbytes * (n - k) / n / (node.inter_bandwidth * node.inter_efficiency) \
+        if nodes > 1 else 0.0
+    return lat + max(local, remote)
+
+
+def _plain_ring_time(kind: str, nbytes: float, placement: AxisPlacement,
+                     cluster: Cluster) -> float:
+    """One ring protocol with the catalog's own step latencies (gloo, hccl)."""
+    node = cluster.node
+    steps, inter_steps = _ring_steps(kind, placement.size, placement.nodes)
+    lat = (node.collective_latency + (steps - inter_steps) * node.intra_latency
+           + inter_steps * node.inter_latency)
+    return lat + _volume(kind, nbytes, placement.size) / _bus_bandwidth(placement, cluster)
 
 
 def collective_time(kind: str, nbytes: float, placement: AxisPlacement, cluster: Cluster) -> float:
-    """Time of one collective over an axis group, hierarchical when it spans nodes."""
-    n, k, nodes = placement.size, placement.per_node, placement.nodes
-    if n <= 1:
+    """Seconds of one collective of ``nbytes`` over an axis group (see the module docstring)."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; use one of {COLLECTIVES}")
+    n = placement.size
+    if n <= 1 or nbytes <= 0:
         return 0.0
-    if nodes <= 1:
+    if placement.nodes <= 1:
         for fit_kind, alpha, beta in cluster.collective_fits:  # measured on this node
             if fit_kind == kind:
                 return ring_time(kind, nbytes, n, Link(beta, alpha))
-        return ring_time(kind, nbytes, n, intra_link(cluster))
-    if k <= 1:
-        return ring_time(kind, nbytes, n, inter_link(cluster))
-    intra, inter = intra_link(cluster), inter_link(cluster)
-    if kind == "all_reduce":
-        return (ring_time("reduce_scatter", nbytes, k, intra)
-                + ring_time("all_reduce", nbytes / k, nodes, inter)
-                + ring_time("all_gather", nbytes, k, intra))
-    if kind in ("all_gather", "reduce_scatter"):
-        return ring_time(kind, nbytes, k, intra) + ring_time(kind, nbytes / k, nodes, inter)
+    if kind == "send_recv":
+        return p2p_link_time(nbytes, placement.nodes > 1, cluster)
+    launch = cluster.device.kernel_overhead_s  # type: ignore[union-attr]
     if kind == "all_to_all":
-        # the (nodes-1)/nodes share of the data crosses the network
-        return ring_time(kind, nbytes / nodes, k, intra) + ring_time(kind, nbytes, nodes, inter)
-    if kind == "broadcast":
-        return ring_time(kind, nbytes, nodes, inter) + ring_time(kind, nbytes, k, intra)
-    return ring_time(kind, nbytes, 2, inter)
+        return launch + _all_to_all_time(nbytes, placement, cluster)
+    if cluster.device.backend == "nccl":  # type: ignore[union-attr]
+        return launch + _nccl_time(kind, nbytes, placement, cluster)
+    return launch + _plain_ring_time(kind, nbytes, placement, cluster)
+
+
+def p2p_link_time(nbytes: float, across_nodes: bool, cluster: Cluster) -> float:
+    """One point-to-point send between two devices, inside a node or across the network."""
+    node = cluster.node
+    if across_nodes:
+        bw, hop = node.inter_bandwidth * node.inter_efficiency, node.inter_latency
+    else:
+        for fit_kind, alpha, beta in cluster.collective_fits:
+            if fit_kind == "send_recv":
+                return alpha + nbytes / beta
+        bw, hop = node.intra_bandwidth * node.intra_efficiency, node.intra_latency
+    return node.collective_latency + hop + nbytes / bw
 
 
 def axis_collective_time(kind: str, nbytes: float, config: ParallelConfig, axis: str,
                          cluster: Cluster) -> float:
-    """Collective over mesh axis ``axis`` ("tp", "ep", "dp", "pp") of ``config``."""
+    """Collective over mesh axis ``axis`` ("tp", "ep", "dp", "pp", "dense_dp") of ``config``."""
     return collective_time(kind, nbytes, axis_placement(config, axis, cluster.devices_per_node),
                            cluster)
 
@@ -123,5 +228,4 @@ def axis_collective_time(kind: str, nbytes: float, config: ParallelConfig, axis:
 def p2p_time(nbytes: float, config: ParallelConfig, cluster: Cluster) -> float:
     """A pipeline send/recv between neighbouring stages."""
     stride = config.tp * config.ep * config.dp
-    link = intra_link(cluster) if stride < cluster.devices_per_node else inter_link(cluster)
-    return ring_time("send_recv", nbytes, 2, link)
+    return p2p_link_time(nbytes, stride >= cluster.devices_per_node, cluster)

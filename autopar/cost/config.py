@@ -4,8 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.cost.precision import Precision
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 OFFLOADS = ("optimizer", "params", "activations")
+# whose collectives the estimate prices: autopar's runtime (FSDP2 / DDP / DTensor / pipelining)
+# or, for comparison with published runs and for exporting plans, Megatron-LM's or DeepSpeed's
+ENGINES = ("autopar", "megatron", "deepspeed")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One block type's tensor-parallel layout: op positions within the block."""
+
+    column: tuple[int, ...] = ()  # column-parallel linears (output features split)
+    row: tuple[int, ...] = ()  # row-parallel linears (input split; output reduced)
+    sharded: tuple[int, ...] = ()  # ops whose outputs are split over tp
+
+
+@dataclass(frozen=True)
+class TPLayouts:
+    """The per-op layouts chosen for each block type at one tensor-parallel degree. A block
+    type without an entry uses the Megatron layout read off the dataflow."""
+
+    tp: int
+    by_type: tuple[tuple[int, BlockLayout], ...] = ()
+
+    def get(self, type_id: int) -> BlockLayout | None:
+        for tid, layout in self.by_type:
+            if tid == type_id:
+                return layout
+        return None
 
 
 @dataclass(frozen=True)
@@ -32,11 +61,10 @@ class ParallelConfig:
     recompute: tuple[str, ...] | str = "none"  # one mode for all blocks, or one per block
     offload: frozenset[str] = field(default_factory=frozenset)
     stages: tuple[tuple[int, int], ...] | None = None  # [start, end) block ranges; None = balanced
-    compute_dtype: str = "bf16"
-    param_bytes: int = 2  # bytes per parameter held for compute
-    grad_bytes: int = 2
-    optimizer_bytes: int = 12  # mixed-precision Adam: fp32 master + m + v (K = 12)
+    precision: Precision | None = None  # None: the device's default (see cost.precision)
     trainable_fraction: float = 1.0  # < 1 for parameter-efficient fine-tuning
+    engine: str = "autopar"
+    tp_layouts: TPLayouts | None = None  # None: the Megatron layout of every block type
 
     @property
     def devices(self) -> int:
@@ -68,3 +96,8 @@ class ParallelConfig:
         bad = set(self.offload) - set(OFFLOADS)
         if bad:
             raise ValueError(f"unknown offload {sorted(bad)}; use {OFFLOADS}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}")
+        if self.tp_layouts is not None and self.tp_layouts.tp != self.tp:
+            raise ValueError(f"tp_layouts are for tp={self.tp_layouts.tp}, the config has "
+                             f"tp={self.tp}")

@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.cost.activations import block_activation_bytes, storage_root
 from autopar.cost.comm import axis_collective_time, p2p_time
 from autopar.cost.compute import op_time
 from autopar.cost.config import ParallelConfig
+from autopar.cost.data_parallel import (
+    DDP_BUCKET_BYTES,
+    BlockTraffic,
+    backward_with_collectives,
+    block_traffic,
+    forward_with_gathers,
+    step_sync,
+    step_sync_exposed,
+)
 from autopar.cost.hardware import Cluster, load_cluster
-from autopar.cost.memory import MemoryBreakdown, inflight_microbatches, model_state_bytes
+from autopar.cost.memory import (
+    MemoryBreakdown,
+    inflight_microbatches,
+    model_state_bytes,
+    offload_transfer,
+    optimizer_step_time,
+)
 from autopar.cost.pipeline import pipeline_step_time
-from autopar.cost.tp_layout import attention_core, layout_key, tp_layout
+from autopar.cost.precision import Precision, default_precision
+from autopar.cost.tp_layout import attention_core, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 
 # Block costs depend on the block's type and a few knobs only; a search asks for the same ones
 # thousands of times. Keyed weakly by graph so a dropped graph frees its entries.
 _BLOCK_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-DDP_BUCKET_BYTES = 2 * 25e6  # two 25 MB gradient buckets in flight (DDP's bucket_cap_mb default)
-_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclass
@@ -37,21 +51,31 @@ class BlockCost:
     dense_params: float  # elements on this device
     expert_params: float
     output_bytes: float  # what a stage boundary after this block sends
+    param_tensors: int = 0  # parameter tensors (one all-gather each under DeepSpeed's ZeRO-3)
 
 
 @dataclass
 class StageCost:
     blocks: tuple[int, int]  # [start, end)
-    fwd_s: float  # one micro-batch, incl. exposed tp/ep communication
+    fwd_s: float  # one micro-batch, incl. exposed tp/ep and per-micro-batch ZeRO collectives
     bwd_s: float
     compute_s: float  # pure compute of one micro-batch (fwd + bwd + recompute)
     comm_s: float  # tp + ep communication of one micro-batch
-    dp_comm_s: float  # gradient / ZeRO communication per step, before overlap
-    dp_exposed_s: float
+    dp_comm_s: float  # data-parallel communication per step, before overlap
+    dp_exposed_s: float  # per-step data-parallel time outside the pipelined micro-batches
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     host_bytes: float = 0.0  # offloaded state held in host memory for this device
     offload_s: float = 0.0  # exposed host-link transfer time per step
     weight_grad_s: float = 0.0  # weight-gradient share of the backward (zero-bubble defers it)
+    dp_microbatch_s: float = 0.0  # what per-micro-batch ZeRO collectives add to fwd + bwd
+    optimizer_s: float = 0.0  # the optimizer update of this stage's states
+    send_bytes: float = 0.0  # what the stage sends to the next one per micro-batch
+
+    @property
+    def tail_s(self) -> float:
+        """What this stage adds after its last backward: exposed once-per-step data-parallel
+        collectives, offload transfers and the optimizer update."""
+        return self.dp_exposed_s + self.offload_s + self.optimizer_s
 
 
 @dataclass
@@ -66,6 +90,7 @@ class Estimate:
     optimizer_s: float
     offload_s: float
     host_bytes_per_node: float = 0.0
+    precision: Precision | None = None
 
     def fits(self, capacity_bytes: float, host_capacity_bytes: float = float("inf")) -> bool:
         """Every device within ``capacity_bytes`` and the offloaded state within host memory."""
@@ -73,7 +98,8 @@ class Estimate:
                 and self.host_bytes_per_node <= host_capacity_bytes)
 
 
-def _captured_batch(graph: Graph) -> int:
+def captured_batch(graph: Graph) -> int:
+    """The batch size the graph was captured with (its first input's leading dimension)."""
     for inp in graph.inputs:
         if inp.meta.shape:
             return inp.meta.shape[0]
@@ -87,8 +113,23 @@ def _captured_float_bytes(graph: Graph) -> int:
     return 4
 
 
+def resolve_precision(config: ParallelConfig, cluster: Cluster) -> ParallelConfig:
+    """``config`` with its precision made explicit (the device's default where unset)."""
+    if config.precision is not None:
+        return config
+    return replace(config, precision=default_precision(cluster.device))  # type: ignore[arg-type]
+
+
 def balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
     """Contiguous split of the blocks into ``pp`` stages minimising the largest stage's FLOPs."""
+    key = ("balanced", pp)
+    memo = _BLOCK_COSTS.setdefault(graph, {})
+    if key not in memo:
+        memo[key] = _balanced_stages(graph, pp)
+    return memo[key]
+
+
+def _balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
     w = [b.flops for b in graph.blocks]
     n = len(w)
     if pp > n:
@@ -116,11 +157,15 @@ def balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
 
 def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Cluster,
                recompute: str) -> BlockCost:
+    """Compute, tensor/expert-parallel communication and memory of one block, one micro-batch,
+    one device. ``config`` must carry its precision (see :func:`resolve_precision`)."""
     device = cluster.device
+    precision = config.precision
+    assert precision is not None, "resolve the precision first"
     tp, sp = config.tp, config.sequence_parallel and config.tp > 1
-    flop_scale = config.microbatch_size / _captured_batch(graph)
-    byte_scale = flop_scale * _DTYPE_BYTES.get(config.compute_dtype, 2) / _captured_float_bytes(graph)
-    layout = tp_layout(graph, block, config.tp)
+    flop_scale = config.microbatch_size / captured_batch(graph)
+    byte_scale = flop_scale * precision.activation_bytes / _captured_float_bytes(graph)
+    layout = tp_layout(graph, block, config.tp_layouts)
     fwd = 0.0
     core_s = 0.0
     core = attention_core(graph, block) if recompute == "selective" else set()
@@ -133,13 +178,11 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             expert_param_names.update(op.params)
         elif name in layout.column or name in layout.row or name in layout.sharded or sp:
             divisor = float(tp)
-        elif op.kind is OpKind.EMBEDDING and op.params:
-            divisor = 1.0
         else:
             divisor = 1.0
         if name in layout.column or name in layout.row or (op.kind is OpKind.EMBEDDING and tp > 1):
             tp_param_names.update(op.params)
-        t = op_time(op, device, config.compute_dtype, flop_scale, byte_scale, divisor)
+        t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t
         if name in core:
             core_s += t
@@ -167,7 +210,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             nbytes = dispatch[0].input_meta[0].nbytes * byte_scale
             ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
-                                  scale=byte_scale)
+                                  scale=byte_scale, layouts=config.tp_layouts)
     kv = 0.0
     for name in block.nodes:
         op = graph.op(name)
@@ -175,7 +218,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             # the cache holds k and v before grouped-query heads are repeated
             for i in (1, 2):
                 root = storage_root(graph, op.inputs[i])
-                src = graph.op(root).output_meta[0] if root in graph._by_name else op.input_meta[i]
+                src = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
                 kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / tp
     dense = expert = 0.0
     for p in block.params:
@@ -188,151 +231,229 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             dense += numel
     out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
     return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
-                     acts.recompute_peak_bytes, kv, dense, expert, out_bytes)
+                     acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params))
 
 
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
                       recompute: str) -> BlockCost:
     """:func:`block_cost`, computed once per block type and the knobs it depends on."""
+    config = resolve_precision(config, cluster)
     block = graph.blocks[index]
+    layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.microbatch_size, config.compute_dtype, cluster.cache_key,
-           layout_key(graph, block, config.tp))
+           config.microbatch_size, config.precision, cluster.cache_key, layout)
     by_type = _BLOCK_COSTS.setdefault(graph, {})
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)
     return by_type[key]
 
 
-def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
-             task: str = "train") -> Estimate:
-    """Predict one optimizer step (train/finetune) or one forward pass (infer)."""
-    cluster = load_cluster(cluster)
-    device = cluster.device
-    stages = config.stages or balanced_stages(graph, config.pp)
-    train = task != "infer"
-    m = config.num_microbatches
-    stage_costs: list[StageCost] = []
-    p2p = 0.0
-    def cost_of(i: int) -> BlockCost:
-        return cached_block_cost(graph, i, config, cluster, config.recompute_of(i))
+def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
+                         cluster: Cluster) -> BlockTraffic:
+    """:func:`autopar.cost.data_parallel.block_traffic` of one block, once per block type and
+    the knobs it depends on."""
+    config = resolve_precision(config, cluster)
+    precision = config.precision
+    assert precision is not None
+    block = graph.blocks[index]
+    c = cached_block_cost(graph, index, config, cluster, "none")
+    layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
+    key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.engine,
+           precision, config.trainable_fraction, cluster.cache_key, layout)
+    by_type = _BLOCK_COSTS.setdefault(graph, {})
+    if key not in by_type:
+        by_type[key] = block_traffic(c.dense_params, c.expert_params, c.param_tensors, config,
+                                     cluster, precision.param_bytes, precision.grad_bytes,
+                                     config.trainable_fraction)
+    return by_type[key]
 
-    for s, (start, end) in enumerate(stages):
-        costs = [cost_of(i) for i in range(start, end)]
-        fwd = sum(c.fwd_s for c in costs)
-        comm_fwd = sum(c.tp_comm_s * (0.5 if train else 1.0) + c.ep_comm_s / 2 for c in costs)
-        bwd = sum(c.bwd_s + c.recompute_s for c in costs) if train else 0.0
-        comm_bwd = sum(c.tp_comm_s * 0.5 + c.ep_comm_s / 2 for c in costs) if train else 0.0
-        dense = sum(c.dense_params for c in costs)
-        expert = sum(c.expert_params for c in costs)
-        if s < len(stages) - 1:
-            p2p = max(p2p, p2p_time(costs[-1].output_bytes, config, cluster))
-        mem = MemoryBreakdown()
-        if train:
-            for numel, n in ((dense, config.dp * config.ep), (expert, config.dp)):
-                states = model_state_bytes(numel, n, config.zero_stage, config.param_bytes,
-                                           config.grad_bytes, config.optimizer_bytes,
-                                           config.trainable_fraction)
-                mem.params += states.params
-                mem.grads += states.grads
-                mem.optimizer += states.optimizer
-            held = inflight_microbatches(config.schedule, config.pp, s, m, config.virtual_stages)
-            on_device = min(held, 1.0) if "activations" in config.offload else held
-            mem.activations = (sum(c.activation_bytes for c in costs) * on_device
-                               + max(c.recompute_peak_bytes for c in costs))
-        else:
-            mem.params = dense * config.param_bytes + expert * config.param_bytes
-            mem.kv_cache = sum(c.kv_cache_bytes for c in costs)
-            mem.activations = max(c.activation_bytes + c.recompute_peak_bytes for c in costs)
-        host_bytes, offload_s = _offload(config, mem, costs, m, cluster, train,
-                                         held if train else 1.0)
-        if train and config.zero_stage == 3:
-            largest = max(c.dense_params + c.expert_params for c in costs)
-            mem.buffers += 2 * largest * config.param_bytes  # gathered layer + prefetch
-        elif train and config.dp * config.ep > 1:
-            mem.buffers += DDP_BUCKET_BYTES
-        if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
-            out = sum(graph.op(n).output_bytes for n in graph.outputs if n in graph._by_name)
-            mem.buffers += 2 * out * config.microbatch_size / _captured_batch(graph) * (
-                4 / _captured_float_bytes(graph)) / config.tp
-        # data-parallel traffic: gradients reduced during the backward (reduce-scatter under
-        # ZeRO >= 1, all-reduce otherwise); parameters all-gathered after the step (ZeRO 1/2,
-        # hidden under the next forward) or before each use (ZeRO-3, forward and backward)
-        grad_comm = param_comm = 0.0
-        if train:
-            for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
-                grad_b = numel * config.trainable_fraction * config.grad_bytes
-                param_b = numel * config.param_bytes
-                if config.zero_stage == 0:
-                    grad_comm += axis_collective_time("all_reduce", grad_b, config, axis, cluster)
-                    continue
-                grad_comm += axis_collective_time("reduce_scatter", grad_b, config, axis, cluster)
-                gathers = 2 * m if config.zero_stage == 3 else 1  # re-gathered per micro-batch
-                param_comm += gathers * axis_collective_time("all_gather", param_b, config, axis,
-                                                             cluster)
-        compute = fwd + bwd
-        overlap = device.efficiency.overlap
-        last = 1 / max(len(costs), 1)  # the last bucket / first gather is always exposed
-        # overlap windows are the plain forward/backward: recompute must never look like it
-        # hides communication (it only lengthens the critical path)
-        base_bwd = sum(c.bwd_s for c in costs) if train else 0.0
-        exposed = max(grad_comm - base_bwd * overlap, grad_comm * last)
-        window = (fwd + base_bwd) * m if config.zero_stage == 3 else fwd * m
-        exposed += max(param_comm - window * overlap, param_comm * last)
-        dp_comm = grad_comm + param_comm
-        stage_costs.append(StageCost((start, end), fwd + comm_fwd, bwd + comm_bwd, compute,
-                                     comm_fwd + comm_bwd, dp_comm, exposed if train else 0.0, mem,
-                                     host_bytes, offload_s,
-                                     sum(c.bwd_s for c in costs) / 2 if train else 0.0))
+
+def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, stage: int,
+                 train: bool) -> tuple[MemoryBreakdown, float]:
+    """Memory of one device of a stage before offload, and the micro-batches it holds.
+    ``blocks`` are the stage's distinct block costs with how many blocks have each."""
+    precision = config.precision
+    assert precision is not None
+    mem = MemoryBreakdown()
+    dense = sum(c.dense_params * k for c, k in blocks)
+    expert = sum(c.expert_params * k for c, k in blocks)
+    held = 1.0
+    if train:
+        for numel, n in ((dense, config.dp * config.ep), (expert, config.dp)):
+            states = model_state_bytes(numel, n, config.zero_stage, precision.param_bytes,
+                                       precision.grad_bytes, precision.optimizer_bytes,
+                                       config.trainable_fraction)
+            mem.params += states.params
+            mem.grads += states.grads
+            mem.optimizer += states.optimizer
+        held = inflight_microbatches(config.schedule, config.pp, stage,
+                                     config.num_microbatches, config.virtual_stages)
+        on_device = min(held, 1.0) if "activations" in config.offload else held
+        mem.activations = (sum(c.activation_bytes * k for c, k in blocks) * on_device
+                           + max(c.recompute_peak_bytes for c, _ in blocks))
+    else:
+        mem.params = (dense + expert) * precision.param_bytes
+        mem.kv_cache = sum(c.kv_cache_bytes * k for c, k in blocks)
+        mem.activations = max(c.activation_bytes + c.recompute_peak_bytes for c, _ in blocks)
+    return mem, held
+
+
+def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: int,
+                    blocks: tuple[int, int], train: bool,
+                    modes: tuple[str, ...] | None = None,
+                    block_costs: dict | None = None
+                    ) -> tuple[list[BlockCost], MemoryBreakdown, float, float]:
+    """A stage's blocks' costs, its memory on one device after offload, the bytes it keeps in
+    host memory and the offload transfer seconds: what deciding whether it fits needs.
+
+    ``modes`` overrides the config's recompute for the stage's blocks; ``block_costs`` is a
+    ``(type_id, mode) -> BlockCost`` memo a caller may share across stages of one config.
+    """
+    precision = config.precision
+    assert precision is not None, "resolve the precision first"
+    start, end = blocks
+    by_kind: dict[tuple[int, str], BlockCost] = {} if block_costs is None else block_costs
+    costs = []
+    counts: dict[tuple[int, str], int] = {}
+    for i in range(start, end):
+        kind = (graph.blocks[i].type_id,
+                modes[i - start] if modes is not None else config.recompute_of(i))
+        if kind not in by_kind:
+            by_kind[kind] = cached_block_cost(graph, i, config, cluster, kind[1])
+        costs.append(by_kind[kind])
+        counts[kind] = counts.get(kind, 0) + 1
+    weighted = [(by_kind[kind], k) for kind, k in counts.items()]
+    mem, held = stage_memory(weighted, config, stage, train)
+    host_bytes, offload_s = offload_transfer(config, mem, weighted, config.num_microbatches,
+                                             cluster, train, held)
+    zero = config.zero_stage if train else 0
+    if train and zero == 3:
+        largest = max(c.dense_params + c.expert_params for c, _ in weighted)
+        mem.buffers += 2 * largest * precision.param_bytes  # gathered block + prefetch
+    elif train and config.dp * config.ep > 1 and zero <= 1:
+        mem.buffers += 2 * DDP_BUCKET_BYTES  # two gradient buckets in flight
+    if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
+        out = sum(graph.op(n).output_bytes for n in graph.outputs if graph.has_op(n))
+        mem.buffers += 2 * out * config.microbatch_size / captured_batch(graph) * (
+            4 / _captured_float_bytes(graph)) / config.tp
+    return costs, mem, host_bytes, offload_s
+
+
+def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: int,
+               blocks: tuple[int, int], train: bool, modes: tuple[str, ...] | None = None,
+               block_costs: dict | None = None) -> StageCost:
+    """One pipeline stage holding ``blocks`` ([start, end)) as stage ``stage`` of the config:
+    its per-micro-batch forward and backward (with the tensor/expert-parallel collectives and
+    the per-micro-batch ZeRO collectives), its memory, and what it adds to the step after the
+    pipelined micro-batches (``tail_s``: once-per-step data-parallel collectives, offload
+    transfers and the optimizer update). ``config`` must carry its precision; ``modes`` and
+    ``block_costs`` are as in :func:`stage_footprint`."""
+    precision = config.precision
+    assert precision is not None, "resolve the precision first"
+    device = cluster.device
+    overlap = device.overlap
+    start, end = blocks
+    m = config.num_microbatches
+    zero = config.zero_stage if train else 0
+    costs, mem, host_bytes, offload_s = stage_footprint(graph, config, cluster, stage, blocks,
+                                                        train, modes, block_costs)
+    replicated = config.dp * config.ep > 1
+    tp_fwd = [c.tp_comm_s * (0.5 if train else 1.0) + c.ep_comm_s / 2 for c in costs]
+    tp_bwd = [c.tp_comm_s * 0.5 + c.ep_comm_s / 2 for c in costs] if train else \
+        [0.0] * len(costs)
+    compute_fwd = [c.fwd_s for c in costs]
+    compute_bwd = [c.bwd_s + c.recompute_s for c in costs] if train else [0.0] * len(costs)
+    # data parallelism: per-block collectives inside every micro-batch (ZeRO-3, and ZeRO-2's
+    # reduce-scatters on autopar's runtime), or once per step
+    gathers = [0.0] * len(costs)
+    reduces = [0.0] * len(costs)
+    per_block = train and replicated and (zero == 3 or (zero == 2 and config.engine == "autopar"))
+    if per_block:
+        by_type: dict[int, BlockTraffic] = {}
+        for i in range(start, end):
+            type_id = graph.blocks[i].type_id
+            if type_id not in by_type:
+                by_type[type_id] = cached_block_traffic(graph, i, config, cluster)
+            gathers[i - start] = by_type[type_id].gather_s
+            reduces[i - start] = by_type[type_id].reduce_s
+    lane_fwd = [a + b for a, b in zip(compute_fwd, tp_fwd, strict=True)]
+    lane_bwd = [a + b for a, b in zip(compute_bwd, tp_bwd, strict=True)]
+    per_mb_gathers = gathers if zero == 3 else [0.0] * len(costs)
+    fwd = forward_with_gathers(lane_fwd, per_mb_gathers, overlap)
+    bwd = backward_with_collectives(lane_bwd, per_mb_gathers, reduces, overlap) if train else 0.0
+    extra = 0.0
+    dp_comm = m * (sum(per_mb_gathers) * 2 + sum(reduces))
+    if per_block and zero == 2:  # parameters gathered once, in the step's first forward
+        extra += forward_with_gathers(lane_fwd, gathers, overlap) - fwd
+        dp_comm += sum(gathers)
+    if train and replicated and not per_block:
+        sync = step_sync(sum(c.dense_params for c in costs), sum(c.expert_params for c in costs),
+                         config, cluster, precision.param_bytes, precision.grad_bytes,
+                         config.trainable_fraction)
+        # the window is the plain backward: recompute only lengthens the critical path, and
+        # must not look like it buys hiding (it is chosen for memory, never for time)
+        extra += step_sync_exposed(sync, sum(c.bwd_s for c in costs) + sum(tp_bwd), overlap)
+        dp_comm += sync.grad_s + sync.param_s
+    optimizer_s = optimizer_step_time(mem, device, precision) if train else 0.0
+    return StageCost(
+        blocks=(start, end), fwd_s=fwd, bwd_s=bwd,
+        compute_s=sum(compute_fwd) + sum(compute_bwd), comm_s=sum(tp_fwd) + sum(tp_bwd),
+        dp_comm_s=dp_comm, dp_exposed_s=extra, memory=mem, host_bytes=host_bytes,
+        offload_s=offload_s,
+        weight_grad_s=sum(c.bwd_s for c in costs) / 2 if train else 0.0,
+        dp_microbatch_s=max(fwd + bwd - sum(lane_fwd) - sum(lane_bwd), 0.0),
+        optimizer_s=optimizer_s,
+        send_bytes=costs[-1].output_bytes)
+
+
+def p2p_hidden_share(config: ParallelConfig, cluster: Cluster) -> float:
+    """How much of the steady-state pipeline sends hides behind compute: the device's
+    concurrent share, except on Megatron-LM's 1F1B, which forces p2p overlap off."""
+    if config.engine == "megatron" and config.schedule != "interleaved":
+        return 0.0
+    return cluster.device.overlap.concurrent
+
+
+def combine_stages(graph: Graph, cluster: Cluster, config: ParallelConfig,
+                   stage_costs: list[StageCost], train: bool) -> Estimate:
+    """The step from its stages: the pipelined micro-batches, then the slowest stage's tail."""
+    precision = config.precision
+    assert precision is not None
+    device = cluster.device
+    m = config.num_microbatches
+    p2p = max((p2p_time(s.send_bytes, config, cluster) for s in stage_costs[:-1]), default=0.0)
     step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],
                                       [s.bwd_s for s in stage_costs], m, config.schedule,
                                       config.virtual_stages, p2p,
                                       [s.weight_grad_s for s in stage_costs],
-                                      device.efficiency.overlap)
-    optimizer_s = 0.0
-    if train:
-        worst = max(stage_costs, key=lambda s: s.memory.params + s.memory.optimizer)
-        # AdamW reads and writes params, grads and states once
-        state_bytes = worst.memory.params + worst.memory.grads + worst.memory.optimizer
-        optimizer_s = 2 * state_bytes / (device.memory_bandwidth * device.efficiency.memory)
+                                      p2p_hidden_share(config, cluster),
+                                      device.overlap.compute_slowdown)
+    step += max(s.tail_s for s in stage_costs)
+    optimizer_s = max(s.optimizer_s for s in stage_costs)
     offload_s = max(s.offload_s for s in stage_costs)
-    step += max(s.dp_exposed_s for s in stage_costs) + optimizer_s + offload_s
     batch = config.global_batch
-    tokens = batch * max(graph.tokens // _captured_batch(graph), 1)
-    model_flops = graph.flops * batch / _captured_batch(graph) * (3 if train else 1)
-    peak = device.flops_for(config.compute_dtype) * config.devices
+    tokens = batch * max(graph.tokens // captured_batch(graph), 1)
+    model_flops = graph.flops * batch / captured_batch(graph) * (3 if train else 1)
+    peak = device.flops_for(precision.compute) * config.devices
     memory = max((s.memory for s in stage_costs), key=lambda mb: mb.total)
     host = max(s.host_bytes for s in stage_costs) * cluster.devices_per_node
     return Estimate(step, bubble, stage_costs, memory, model_flops, model_flops / (step * peak),
-                    tokens / step, optimizer_s, offload_s, host)
+                    tokens / step, optimizer_s, offload_s, host, precision)
 
 
-def _offload(config: ParallelConfig, mem: MemoryBreakdown, costs: list[BlockCost],
-             num_microbatches: int, cluster: Cluster, train: bool,
-             held: float) -> tuple[float, float]:
-    """Move offloaded state from ``mem`` to the host; return (host bytes, exposed seconds).
+def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
+             task: str = "train") -> Estimate:
+    """Predict one optimizer step (train/finetune) or one forward pass (infer)."""
+    cluster = load_cluster(cluster)
+    config = resolve_precision(config, cluster)
+    stages = config.stages or balanced_stages(graph, config.pp)
+    train = task != "infer"
+    stage_costs = [stage_cost(graph, config, cluster, s, blocks, train)
+                   for s, blocks in enumerate(stages)]
+    return combine_stages(graph, cluster, config, stage_costs, train)
 
-    Optimizer offload (ZeRO-Offload): gradients go down and updated parameters come back once
-    per step. Parameter offload: every micro-batch streams the parameters up for the forward
-    and the backward. Activation offload (save_on_cpu): every saved activation goes down in the
-    forward and back in the backward. Streams hide behind compute as far as the device's
-    overlap allows (half at best: the first and last transfers are always exposed).
-    """
-    bandwidth = cluster.node.host_bandwidth
-    hidden = 0.5 * cluster.device.efficiency.overlap
-    host = seconds = 0.0
-    if train and "optimizer" in config.offload:
-        local = mem.optimizer / max(config.optimizer_bytes, 1)
-        host += mem.optimizer
-        seconds += local * (config.grad_bytes + config.param_bytes) / bandwidth
-        mem.optimizer = 0.0
-    if "params" in config.offload:
-        host += mem.params
-        streamed = mem.params * (2 if train else 1) * num_microbatches
-        mem.params = max(c.dense_params + c.expert_params for c in costs) * config.param_bytes
-        seconds += streamed / bandwidth * (1 - hidden)
-    if train and "activations" in config.offload:
-        stored = sum(c.activation_bytes for c in costs)
-        host += stored * max(held - 1.0, 0.0)
-        seconds += 2 * stored * num_microbatches / bandwidth * (1 - hidden)
-    return host, seconds
+
+__all__ = ["BlockCost", "Estimate", "StageCost", "balanced_stages", "block_cost",
+           "cached_block_cost", "cached_block_traffic", "captured_batch", "combine_stages", "estimate",
+           "p2p_hidden_share", "resolve_precision", "stage_cost", "stage_footprint",
+           "stage_memory"]

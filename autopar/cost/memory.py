@@ -9,6 +9,12 @@ stage 3 everything ((2 + 2 + K) Psi / N_d).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.cost.config import ParallelConfig
+    from autopar.cost.hardware import Cluster, DeviceSpec
+    from autopar.cost.precision import Precision
 
 
 @dataclass
@@ -74,3 +80,51 @@ def inflight_microbatches(schedule: str, pp: int, stage: int, num_microbatches: 
     if schedule == "interleaved" and virtual_stages > 1:
         held *= 1 + (pp - 1) / (pp * virtual_stages)
     return held
+
+
+def optimizer_step_time(memory: MemoryBreakdown, device: DeviceSpec,
+                        precision: Precision) -> float:
+    """AdamW reads and writes parameters, gradients and states once (memory-bound); fp16
+    loss scaling adds one more read of the gradients (unscale and the overflow check)."""
+    state_bytes = memory.params + memory.grads + memory.optimizer
+    passes = 2 * state_bytes + (memory.grads if precision.loss_scaling else 0.0)
+    return passes / (device.memory_bandwidth * device.efficiency.memory)
+
+
+def offload_transfer(config: ParallelConfig, mem: MemoryBreakdown, blocks: list,
+                     num_microbatches: int, cluster: Cluster, train: bool,
+                     held: float) -> tuple[float, float]:
+    """Move offloaded state from ``mem`` to the host; return (host bytes, exposed seconds).
+
+    Optimizer offload (ZeRO-Offload): gradients go down and updated parameters come back once
+    per step. Parameter offload: every micro-batch streams the parameters up for the forward
+    and the backward. Activation offload (save_on_cpu): every saved activation goes down in the
+    forward and back in the backward. Streams hide behind compute as far as the device's
+    overlap allows (half at best: the first and last transfers are always exposed). ``blocks``
+    are the stage's distinct block costs (``dense_params``, ``expert_params``,
+    ``activation_bytes``) with how many blocks have each.
+    """
+    precision = config.precision
+    assert precision is not None
+    bandwidth = cluster.node.host_bandwidth
+    hidden = 0.5 * cluster.device.overlap.concurrent
+    host = seconds = 0.0
+    if train and "optimizer" in config.offload:
+        local = mem.optimizer / max(precision.optimizer_bytes, 1)
+        host += mem.optimizer
+        seconds += local * (precision.grad_bytes + precision.param_bytes) / bandwidth
+        mem.optimizer = 0.0
+    if "params" in config.offload:
+        host += mem.params
+        streamed = mem.params * (2 if train else 1) * num_microbatches
+        if blocks:
+            mem.params = max(c.dense_params + c.expert_params for c, _ in blocks) * \
+                precision.param_bytes
+        else:
+            mem.params = 0.0
+        seconds += streamed / bandwidth * (1 - hidden)
+    if train and "activations" in config.offload:
+        stored = sum(c.activation_bytes * k for c, k in blocks)
+        host += stored * max(held - 1.0, 0.0)
+        seconds += 2 * stored * num_microbatches / bandwidth * (1 - hidden)
+    return host, seconds

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from autopar.cost.config import TPLayouts
 from autopar.ir.graph import Block, Graph, OpKind
 
 
@@ -25,34 +26,19 @@ class TPLayout:
     sharded: set[str] = field(default_factory=set)  # ops whose outputs are split over tp
 
 
+# the Megatron layout is a pure function of the graph: memoised per graph, never written from
+# outside (layouts chosen by the search travel in ParallelConfig.tp_layouts)
 _cache: weakref.WeakKeyDictionary[Graph, dict[int, TPLayout]] = weakref.WeakKeyDictionary()
-# layouts chosen by the search (autopar.search.sharding), per (block type, tp degree), as
-# positions within the block so every block of the type shares them
-_chosen: weakref.WeakKeyDictionary[Graph, dict[tuple[int, int], tuple]] = \
-    weakref.WeakKeyDictionary()
 
 
-def register_layout(graph: Graph, type_id: int, tp: int, column: list[int], row: list[int],
-                    sharded: list[int]) -> None:
-    """Use this layout (op positions within the block) for every block of ``type_id`` at
-    tensor-parallel degree ``tp``."""
-    _chosen.setdefault(graph, {})[(type_id, tp)] = (tuple(column), tuple(row), tuple(sharded))
-
-
-def layout_key(graph: Graph, block: Block, tp: int) -> tuple:
-    """What the layout of this block at this degree depends on (for memoising costs)."""
-    return _chosen.get(graph, {}).get((block.type_id, tp), ())
-
-
-def tp_layout(graph: Graph, block: Block, tp: int | None = None) -> TPLayout:
+def tp_layout(graph: Graph, block: Block, layouts: TPLayouts | None = None) -> TPLayout:
     """The column/row linears and the ops whose outputs tp splits, for one block: the layout
-    the search chose for this degree if any, else the Megatron layout from the dataflow."""
-    chosen = _chosen.get(graph, {}).get((block.type_id, tp)) if tp else None
-    if chosen:
+    ``layouts`` gives its block type, else the Megatron layout from the dataflow."""
+    chosen = layouts.get(block.type_id) if layouts is not None else None
+    if chosen is not None:
         names = block.nodes
-        column, row, sharded = chosen
-        return TPLayout([names[i] for i in column], [names[i] for i in row],
-                        {names[i] for i in sharded})
+        return TPLayout([names[i] for i in chosen.column], [names[i] for i in chosen.row],
+                        {names[i] for i in chosen.sharded})
     return megatron_layout(graph, block)
 
 

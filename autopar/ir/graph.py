@@ -169,6 +169,10 @@ class Graph:
     def op(self, name: str) -> OpNode:
         return self._by_name[name]
 
+    def has_op(self, name: str) -> bool:
+        """Whether ``name`` is an op of this graph (inputs and parameters are not)."""
+        return name in self._by_name
+
     def ops_of_kind(self, *kinds: OpKind) -> list[OpNode]:
         return [op for op in self.ops if op.kind in kinds]
 
@@ -214,11 +218,15 @@ class Graph:
         return out
 
     def block_types(self) -> dict[int, list[Block]]:
-        """Blocks grouped by structural type, in order of first appearance."""
-        out: dict[int, list[Block]] = {}
-        for b in self.blocks:
-            out.setdefault(b.type_id, []).append(b)
-        return out
+        """Blocks grouped by structural type, in order of first appearance (do not modify)."""
+        cached = self.__dict__.get("_block_types")
+        if cached is None or cached[0] is not self.blocks or cached[1] != len(self.blocks):
+            out: dict[int, list[Block]] = {}
+            for b in self.blocks:
+                out.setdefault(b.type_id, []).append(b)
+            cached = (self.blocks, len(self.blocks), out)
+            self.__dict__["_block_types"] = cached
+        return cached[2]
 
     @property
     def layer_blocks(self) -> list[Block]:

@@ -11,13 +11,14 @@ import yaml
 
 from autopar.errors import PlanError
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 # version 1 lacks what the report needs beyond the summary (time breakdown, per-stage idle, the
-# runner-ups' breakdowns, bounds, explain); it still loads, and the report says what is missing
-READABLE_VERSIONS = (1, 2)
+# runner-ups' breakdowns, bounds, explain); version 2 lacks the precision, the engine and the
+# robustness checks. Both still load, and the report says what is missing
+READABLE_VERSIONS = (1, 2, 3)
 
 
-def _round(x: float) -> float:
+def round6(x: float) -> float:
     """Six significant digits: readable, and stable across runs for byte-identical files."""
     return float(f"{x:.6g}")
 
@@ -57,9 +58,14 @@ class Predicted:
     breakdown: dict[str, float] = field(default_factory=dict)
     pipeline_s: float = 0.0  # the pipelined forward/backward of one step
     p2p_s: float = 0.0  # one send across the slowest stage boundary
+    # what each steady-state send costs its stage (the part not hidden, and the compute it
+    # slows where hidden)
+    p2p_steady_s: float = 0.0
     optimizer_s: float = 0.0
     offload_s: float = 0.0
     model_flops: float = 0.0  # per step, without recompute: the MFU numerator
+    # the step if every collective were 1.5x slower, and if overlap were halved
+    sensitivity: dict[str, float] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> object:  # plan.predicted["mfu"] works too
         return getattr(self, key)
@@ -96,6 +102,10 @@ class Plan:
     # per block type: the alternatives (tp degrees, recompute modes, each op's strategies) and
     # their costs, for `autopar explain`
     explain: dict = field(default_factory=dict)
+    # parameter / compute / reduce dtypes and loss scaling (empty in plans before version 3)
+    precision: dict = field(default_factory=dict)
+    # whose collectives the prediction prices: autopar's runtime, or megatron / deepspeed
+    engine: str = "autopar"
     version: int = PLAN_VERSION
 
     # -- persistence ----------------------------------------------------------------------
@@ -181,6 +191,14 @@ class Plan:
             raise PlanError(f"{where}: stages end at block {expect} but the model has {nblocks}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"{where}: zero_stage must be 0-3, got {self.zero_stage}")
+        if self.precision:
+            from autopar.cost.precision import Precision
+
+            try:
+                Precision.from_dict(self.precision)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise PlanError(f"{where}: precision {self.precision} is not valid ({exc}); "
+                                f"give param, compute and reduce as fp32, bf16 or fp16") from None
 
     # -- reading ----------------------------------------------------------------------------
     def report(self, fmt: str = "text") -> str:

@@ -51,7 +51,39 @@ def summary_section(d: dict) -> Section:
     if s["host_bytes_per_node"]:
         pairs.append(("host memory", f"{fmt.nbytes(s['host_bytes_per_node'])} per node "
                                      f"(offloaded state)"))
+    prec = s.get("precision")
+    if prec:
+        pairs.append(("precision", f"parameters {prec['param']}, compute {prec['compute']}, "
+                                   f"gradient reduction {prec['reduce']}"
+                                   + (", dynamic loss scaling" if prec.get("loss_scaling")
+                                      else "")))
+    if s.get("engine", "autopar") != "autopar":
+        pairs.append(("priced for", f"{s['engine']}'s collectives (a plan to export, not to run "
+                                    f"with autopar run)"))
     return Section("Summary", pairs=pairs, anchor="summary")
+
+
+def robustness_section(d: dict) -> Section | None:
+    """The step if communication were 1.5x slower or overlap halved, and the robust choice."""
+    r = d.get("robustness")
+    if not r:
+        return None
+    step = r["step_time_s"]
+    checks = r["checks"]
+    rows = [["as predicted", fmt.seconds(step), "-"]]
+    for key, label in (("comm_1.5x_s", "every collective 1.5x slower"),
+                       ("overlap_half_s", "half the overlap")):
+        if key in checks:
+            rows.append([label, fmt.seconds(checks[key]),
+                         fmt.pct((checks[key] - step) / step, signed=True)])
+    lines = [f"among the {r['candidates']} plans within {fmt.pct(r['margin'])} of the fastest, "
+             f"this one has the smallest worst case ({fmt.seconds(r['chosen_worst_case_s'])})"]
+    if r.get("changed"):
+        lines.append(f"the fastest plan ({fmt.seconds(r['fastest_step_time_s'])}) was passed "
+                     f"over: its worst case is {fmt.seconds(r['fastest_worst_case_s'])}; it is "
+                     f"listed among the runner-ups")
+    return Section("Robustness", headers=["if", "step", "change"], rows=rows, lines=lines,
+                   numeric={1, 2}, anchor="robustness")
 
 
 def breakdown_section(d: dict) -> Section | None:
@@ -166,6 +198,9 @@ def sections(d: dict) -> list[Section]:
     b = breakdown_section(d)
     if b is not None:
         out.append(b)
-    out += [stage_time_section(d), stage_memory_section(d), runner_up_section(d),
-            bounds_section(d), block_section(d)]
+    out += [stage_time_section(d), stage_memory_section(d)]
+    r = robustness_section(d)
+    if r is not None:
+        out.append(r)
+    out += [runner_up_section(d), bounds_section(d), block_section(d)]
     return out

@@ -41,7 +41,7 @@ def _stage_rows(plan: Plan) -> list[dict]:
             "first": names[0] if names else str(start), "last": names[-1] if names else str(end),
             "fwd_s": s["fwd_s"], "bwd_s": s["bwd_s"],
             "compute_s": m * (s["compute_s"] - recompute), "recompute_s": m * recompute,
-            "comm_s": m * s["comm_s"] + s["dp_exposed_s"],
+            "comm_s": m * (s["comm_s"] + s.get("dp_microbatch_s", 0.0)) + s["dp_exposed_s"],
             "bubble_s": s.get("bubble_s"), "memory": {k2: mem.get(k2, 0.0) for k2 in
                                                        (*MEMORY_KINDS, "total")},
             "of_budget": mem["total"] / plan.memory_limit_bytes if plan.memory_limit_bytes
@@ -50,8 +50,13 @@ def _stage_rows(plan: Plan) -> list[dict]:
     return rows
 
 
-def _lost_on(chosen: dict, alt: dict) -> str:
-    """The step-time term that grew most against the chosen plan (why the runner-up lost)."""
+def _lost_on(chosen: dict, alt: dict, plan: Plan) -> str:
+    """The step-time term that grew most against the chosen plan (why the runner-up lost);
+    for a faster runner-up, its worse step under the robustness checks."""
+    mine = plan.predicted.sensitivity
+    if alt["step_time_s"] < plan.predicted.step_time_s and alt.get("sensitivity") and mine:
+        return (f"robustness: worst case {fmt.seconds(max(alt['sensitivity'].values()))} vs "
+                f"{fmt.seconds(max(mine.values()))}")
     if not chosen or not alt.get("breakdown"):
         return "-"
     growth = {t: alt["breakdown"].get(t, 0.0) - chosen.get(t, 0.0) for t in TIME_TERMS}
@@ -76,9 +81,22 @@ def _runner_ups(plan: Plan) -> list[dict]:
             "slower": a["slower"], "memory_total": mem,
             "larger": a.get("larger", (mem - total) / total if total else 0.0),
             "mfu": a.get("mfu"), "breakdown": a.get("breakdown", {}),
-            "lost_on": _lost_on(chosen, a),
+            "worst_case_s": max(a["sensitivity"].values()) if a.get("sensitivity") else None,
+            "sensitivity": a.get("sensitivity", {}),
+            "lost_on": _lost_on(chosen, a, plan),
         })
     return out
+
+
+def _robustness(plan: Plan) -> dict | None:
+    """The chosen plan's step under the checks, and how the choice among near-fastest plans
+    went (None for plans before format 3)."""
+    checks = plan.predicted.sensitivity
+    robust = plan.solver.get("robust")
+    if not checks or not robust:
+        return None
+    return {"step_time_s": plan.predicted.step_time_s, "checks": dict(checks),
+            "worst_case_s": max(checks.values()), **robust}
 
 
 def _bounds(plan: Plan) -> list[dict]:
@@ -163,7 +181,9 @@ def report_data(plan: Plan) -> dict:
             "bubble_s": p.bubble_s, "memory": dict(p.memory), "memory_limit_bytes": limit,
             "memory_fraction": p.memory["total"] / limit if limit else None,
             "host_bytes_per_node": p.host_bytes_per_node,
+            "precision": dict(plan.precision), "engine": plan.engine,
         },
+        "robustness": _robustness(plan),
         "breakdown": breakdown, "bottleneck_stage": bottleneck,
         "stages": _stage_rows(plan), "runner_ups": _runner_ups(plan), "bounds": _bounds(plan),
         "solver": {k: plan.solver.get(k) for k in ("gap", "bound_s", "evaluated",

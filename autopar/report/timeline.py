@@ -57,8 +57,8 @@ def _order(schedule: str, p: int, m: int, v: int, d: int, train: bool) -> list[t
 
 
 def simulate(fwd_s: list[float], bwd_s: list[float], weight_s: list[float], m: int,
-             schedule: str, virtual_stages: int, p2p_s: float, train: bool = True
-             ) -> list[Segment]:
+             schedule: str, virtual_stages: int, p2p_s: float, train: bool = True,
+             send_cost_s: float = 0.0) -> list[Segment]:
     """The pipelined forward/backward of one step as segments per stage (bubbles included)."""
     p = len(fwd_s)
     v = virtual_stages if schedule == "interleaved" and m % p == 0 else 1
@@ -73,7 +73,10 @@ def simulate(fwd_s: list[float], bwd_s: list[float], weight_s: list[float], m: i
 
     def duration(kind: str, d: int) -> float:
         w = weight_s[d] if zb else 0.0
-        return {"F": fwd_s[d], "B": bwd_s[d] - w, "W": w}[kind] / v
+        # every forward and input-gradient backward sends once; ``send_cost_s`` is what a
+        # steady-state send costs its stage (the cost model's steady-state term)
+        send = send_cost_s if kind != "W" and p > 1 else 0.0
+        return {"F": fwd_s[d], "B": bwd_s[d] - w, "W": w}[kind] / v + send
 
     def ready(kind: str, vs: int, j: int) -> float | None:
         if kind == "F":
@@ -148,17 +151,20 @@ def plan_timeline(plan: Plan) -> tuple[list[Segment], float]:
     bwd = [s["bwd_s"] for s in stages]
     weight = [s.get("weight_grad_s", s["bwd_s"] / 2) for s in stages]
     segs = simulate(fwd, bwd, weight, plan.num_microbatches, plan.schedule,
-                    plan.virtual_stages, pred.p2p_s, train)
+                    plan.virtual_stages, pred.p2p_s, train, pred.p2p_steady_s)
     pipe_end = max((s.start + s.duration for s in segs), default=0.0)
     segs = _with_gaps(segs, len(stages), pipe_end)
-    dp = max((s["dp_exposed_s"] for s in stages), default=0.0)
-    t = pipe_end
+    # each stage's tail: its once-per-step data-parallel collectives, offload transfers and
+    # optimizer update (plans before format 3 record one optimizer and offload time for all)
+    end = pipe_end
     for d, s in enumerate(stages):
-        if s["dp_exposed_s"]:
-            segs.append(Segment(d, t, s["dp_exposed_s"], "dp_comm"))
-    t += dp
-    for kind, seconds in (("optimizer", pred.optimizer_s), ("offload", pred.offload_s)):
-        if seconds:
-            segs += [Segment(d, t, seconds, kind) for d in range(len(stages))]
-            t += seconds
-    return segs, t
+        t = pipe_end
+        tail = (("dp_comm", s["dp_exposed_s"]),
+                ("offload", s.get("offload_s", pred.offload_s)),
+                ("optimizer", s.get("optimizer_s", pred.optimizer_s)))
+        for kind, seconds in tail:
+            if seconds:
+                segs.append(Segment(d, t, seconds, kind))
+                t += seconds
+        end = max(end, t)
+    return segs, end

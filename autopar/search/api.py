@@ -6,16 +6,17 @@ from pathlib import Path
 
 from torch import nn
 
-from autopar.cost.config import ParallelConfig
+from autopar.cost.config import ENGINES, ParallelConfig
 from autopar.cost.hardware import Cluster, load_cluster
+from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import tp_layout
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph, OpKind
-from autopar.plan.plan import Plan, _round
+from autopar.plan.plan import Plan, round6
 from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.planner import Progress, SearchResult, search
-from autopar.search.sharding import solve_and_register
+from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
 
 TASKS = ("train", "finetune", "infer")
@@ -61,23 +62,28 @@ def plan(
                 else hw.device.usable_memory_bytes)
     if capacity <= 0:
         raise PlanError(f"memory_limit_gb must be positive, got {memory_limit_gb}")
-    defaults = {"trainable_fraction": 1.0}
+    precision = pins.pop("precision", None) or default_precision(hw.device)
+    engine = pins.pop("engine", "autopar")
+    if engine not in ENGINES:
+        raise PlanError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    defaults = {"trainable_fraction": 1.0, "precision": precision, "engine": engine}
     facts = model_facts(graph)
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
-    sharding = solve_and_register(graph, tps, hw)
+    layouts, sharding = solve_layouts(graph, tps, hw, precision.compute)
     result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
-                    time_limit_s=time_limit_s, progress=progress, defaults=defaults)
+                    time_limit_s=time_limit_s, progress=progress, defaults=defaults,
+                    layouts=layouts)
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
     chosen = [sol for sol in sharding if sol.tp == plan.mesh["tp"]]
     plan.solver["sharding"] = {
-        f"block type {sol.type_id}": {"status": sol.status, "objective_s": _round(sol.objective_s),
-                                      "bound_s": _round(sol.bound_s)} for sol in chosen}
+        f"block type {sol.type_id}": {"status": sol.status, "objective_s": round6(sol.objective_s),
+                                      "bound_s": round6(sol.bound_s)} for sol in chosen}
     plan.solver["bounds"] = record.bounds(facts, hw, devices, global_batch, pins, result.config,
                                           result.estimate, capacity, result.rejected,
                                           result.memory_rejected_bounds)
-    plan.explain = record.explain(graph, hw, result.config, tps)
+    plan.explain = record.explain(graph, hw, result.config, tps, layouts)
     return plan
 
 
@@ -103,6 +109,10 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
                         f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
     if "pp" in pins and pins["pp"] > facts.blocks:
         raise PlanError(f"pp={pins['pp']} exceeds the model's {facts.blocks} blocks")
+    modes = pins.get("recompute")
+    if isinstance(modes, tuple) and len(modes) != facts.blocks:
+        raise PlanError(f"recompute lists {len(modes)} modes for the model's {facts.blocks} "
+                        f"blocks; give one mode per block or a single mode")
 
 
 def _placements(graph: Graph, config: ParallelConfig) -> dict:
@@ -112,7 +122,7 @@ def _placements(graph: Graph, config: ParallelConfig) -> dict:
     # an expert weight may first be read by a plain indexing op: decide by any expert use
     experts = {p for op in graph.ops if op.kind is OpKind.MOE_EXPERT for p in op.params}
     for block in graph.blocks:
-        layout = tp_layout(graph, block, config.tp)
+        layout = tp_layout(graph, block, config.tp_layouts)
         per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
             else None
         for name in block.nodes:
@@ -158,11 +168,16 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
     solver = {
         "method": "per-block-type tensor-parallel sharding by CP-SAT; mesh, batching, ZeRO, "
                   "schedule and offload by exhaustive search with lower-bound pruning; "
-                  "per-stage recompute by exact enumeration",
-        "bound_s": _round(result.bound_s), "gap": _round(result.gap),
+                  "contiguous stage partitions by dynamic programming over Pareto fronts; "
+                  "per-stage recompute by exact enumeration; among plans within 3% of the "
+                  "fastest, the least sensitive to slower communication and halved overlap",
+        "bound_s": round6(result.bound_s), "gap": round6(result.gap),
         "evaluated": result.evaluated, "pruned_by_bound": result.pruned_by_bound,
         "rejected": dict(sorted(result.rejected.items())), "timed_out": result.timed_out,
+        "robust": {k: (round6(v) if isinstance(v, float) else v)
+                   for k, v in result.robust.items() if k != "checks"},
     }
+    precision = config.precision
     return Plan(
         model=model, devices=devices, cluster=cluster.name, task=task, global_batch=global_batch,
         mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
@@ -172,8 +187,11 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
         recompute=recompute, offload=sorted(config.offload),
         stages=[list(s) for s in (config.stages or ())],
         placements=_placements(graph, config),
-        predicted=record.predicted(graph, cluster, config, est, task),
+        predicted=record.predicted(graph, cluster, config, est, task,
+                                   result.robust.get("checks")),
         alternatives=[record.runner_up(graph, cluster, c, e, est, task)
                       for c, e in result.alternatives],
-        solver=solver, memory_limit_bytes=_round(capacity),
+        solver=solver, memory_limit_bytes=round6(capacity),
+        precision=precision.as_dict() if precision is not None else {},
+        engine=config.engine,
     )

@@ -1,8 +1,10 @@
 """Constraints that pin parts of a plan: a dict, a YAML file, or a shipped preset name.
 
-Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, recompute
-("none" | "selective" | "full"), offload (list of optimizer / params / activations, or "none"),
-schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool).
+Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
+("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"),
+schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
+(fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
+(autopar | megatron | deepspeed: whose collectives the prediction prices).
 A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
 ``recompute_config`` is translated to the same keys.
@@ -15,11 +17,14 @@ from pathlib import Path
 import yaml
 
 from autopar._paths import data_dir
-from autopar.cost.config import OFFLOADS, SCHEDULES
+from autopar.cost.config import ENGINES, OFFLOADS, SCHEDULES
+from autopar.cost.precision import parse_precision
 from autopar.errors import PlanError
 
-INT_KEYS = ("pp", "dp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage")
-KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel")
+INT_KEYS = ("pp", "dp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
+            "virtual_stages")
+KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel", "precision",
+        "engine")
 _IGNORED = ("name", "description")
 
 
@@ -98,9 +103,11 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: zero_stage must be 0, 1, 2 or 3, got {value}")
         return value
     if key == "recompute":
-        if value not in ("none", "selective", "full"):
-            raise PlanError(f"{where}: recompute must be none, selective or full, got {value!r}")
-        return value
+        modes = value if isinstance(value, (list, tuple)) else [value]
+        if not modes or any(m not in ("none", "selective", "full") for m in modes):
+            raise PlanError(f"{where}: recompute must be none, selective or full (or one of "
+                            f"them per block), got {value!r}")
+        return value if isinstance(value, str) else tuple(value)
     if key == "schedule":
         if value not in SCHEDULES:
             raise PlanError(f"{where}: schedule must be one of {', '.join(SCHEDULES)}, "
@@ -109,6 +116,15 @@ def _check(key: str, value: object, where: str) -> object:
     if key == "sequence_parallel":
         if not isinstance(value, bool):
             raise PlanError(f"{where}: sequence_parallel must be true or false")
+        return value
+    if key == "precision":
+        try:
+            return parse_precision(value)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlanError(f"{where}: {exc}") from None
+    if key == "engine":
+        if value not in ENGINES:
+            raise PlanError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {value!r}")
         return value
     # offload
     items = [] if value in (None, "none", False) else ([value] if isinstance(value, str)

@@ -2,11 +2,16 @@
 
 Candidates (mesh x micro-batch x sequence parallel x ZeRO stage x schedule x offload) are
 ordered by a lower bound on their step time: the compute and tensor/expert-parallel
-communication of one step, with no recompute, spread perfectly over the pipeline stages. They
-are evaluated in that order (stage partition, then the cheapest per-block recompute that fits
-memory, then the full cost model) until the next lower bound is no better than the best plan
-found: everything after it is provably no better. The bound and gap are reported; with
-``time_limit_s`` the search stops early and reports the gap it proved.
+communication of one step, with no recompute, spread perfectly over the pipeline stages, plus
+the optimizer update and offload streams of the least any device holds. They are evaluated in
+that order (the best contiguous stage partition with the cheapest per-block recompute that fits
+memory, then the full cost model) until the next lower bound is beyond the best plan found by
+more than the robustness margin: everything after it is provably no better. The bound and gap
+are reported; with ``time_limit_s`` the search stops early and reports the gap it proved.
+
+Robust choice: among the plans within ``ROBUST_MARGIN`` (3%) of the fastest, the planner picks
+the one whose step time suffers least if communication were 1.5x slower or overlap halved (its
+worst of the two), and records both the fastest and the choice.
 """
 
 from __future__ import annotations
@@ -14,15 +19,31 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
-from autopar.cost.config import ParallelConfig
-from autopar.cost.estimate import Estimate, balanced_stages, cached_block_cost, estimate
+from autopar.cost.comm import p2p_time
+from autopar.cost.config import ParallelConfig, TPLayouts
+from autopar.cost.data_parallel import overlapped, step_sync, step_sync_exposed
+from autopar.cost.estimate import (
+    Estimate,
+    cached_block_cost,
+    cached_block_traffic,
+    estimate,
+    p2p_hidden_share,
+)
 from autopar.cost.hardware import Cluster
-from autopar.cost.memory import inflight_microbatches
+from autopar.cost.memory import (
+    MemoryBreakdown,
+    inflight_microbatches,
+    model_state_bytes,
+    offload_transfer,
+    optimizer_step_time,
+)
+from autopar.cost.pipeline import fill_drain_factor
 from autopar.errors import InfeasibleError
 from autopar.ir.graph import Graph
 from autopar.search.infeasible import infeasible_message
-from autopar.search.recompute import MODES, ModeCost, choose_recompute
+from autopar.search.recompute import MODES
 from autopar.search.space import (
     OFFLOAD_CHOICES,
     SCHEDULES_PP,
@@ -31,6 +52,7 @@ from autopar.search.space import (
     divisors,
     legal_meshes,
 )
+from autopar.search.stages import best_partition
 from autopar.search.support import unsupported
 
 Progress = Callable[[float, str], None]
@@ -57,62 +79,222 @@ class SearchResult:
     timed_out: bool
     # lower bounds of what memory ruled out: did memory cost speed? (the report asks)
     memory_rejected_bounds: list[float] = field(default_factory=list)
+    fastest: tuple[ParallelConfig, Estimate] | None = None  # the nominal optimum
+    robust: dict = field(default_factory=dict)  # how the choice among near-optimal plans went
+
+
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # model chunks per device the interleaved schedule tries
+ROBUST_MARGIN = 0.03  # plans this close to the fastest compete on sensitivity
+COMM_SLOWER = 1.5  # the sensitivity checks: every collective 1.5x slower ...
+OVERLAP_SCALE = 0.5  # ... or half of the overlap
+
+
+def sensitivity(graph: Graph, cluster: Cluster, config: ParallelConfig, task: str
+                ) -> dict[str, float]:
+    """Step seconds of a plan if communication were 1.5x slower and if overlap were halved."""
+    slow = estimate(graph, cluster.perturbed(comm_slower=COMM_SLOWER), config, task)
+    half = estimate(graph, cluster.perturbed(overlap_scale=OVERLAP_SCALE), config, task)
+    return {"comm_1.5x_s": slow.step_time_s, "overlap_half_s": half.step_time_s}
+
+
+def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                           config: ParallelConfig, train: bool, capacity: float,
+                           pinned: str | tuple[str, ...] | None) -> float:
+    """Recompute seconds per micro-batch, summed over all blocks, that any plan of this
+    candidate needs to fit ``capacity``.
+
+    Stage s holds at least its states plus its stored activations times the micro-batches it
+    keeps; summed over stages that caps the activations all stages can store, and the rest of
+    what no recompute would store must be shed. Every block type offers none -> selective ->
+    full steps (bytes saved, seconds spent); the lower convex hull of those steps, filled
+    greedily (the LP relaxation of the per-block choice), costs no more than any real choice.
+    """
+    if not train:
+        return 0.0
+    if isinstance(pinned, tuple):
+        return sum(cached_block_cost(graph, i, config, cluster, mode).recompute_s
+                   for i, mode in enumerate(pinned))
+    if pinned is not None:
+        return sum(len(blocks) * cached_block_cost(graph, blocks[0].index, config, cluster,
+                                                   pinned).recompute_s
+                   for blocks in graph.block_types().values())
+    floor = _states_floor(graph, facts, config, train)
+    if "optimizer" in config.offload:
+        floor.optimizer = 0.0
+    if "params" in config.offload:
+        floor.params = 0.0
+    held = [inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
+                                  config.virtual_stages) for s in range(config.pp)]
+    if "activations" in config.offload:
+        held = [min(h, 1.0) for h in held]
+    types = [(blocks[0].index, len(blocks)) for blocks in graph.block_types().values()]
+    stored = {mode: [cached_block_cost(graph, i, config, cluster, mode) for i, _ in types]
+              for mode in MODES}
+    acts = sum(c.activation_bytes * count for c, (_, count) in zip(stored["none"], types,
+                                                                    strict=True))
+    # stage s keeps held_s micro-batches: its activations are at most (capacity - its states)
+    # / held_s; summed over stages, with the states (pp x the floor) placed where they cost
+    # the least room, the stages keep at most capacity x sum(1 / held_s) - pp x floor / max(held)
+    states = floor.params + floor.grads + floor.optimizer
+    room = capacity * sum(1.0 / h for h in held) - config.pp * states / max(held)
+    need = acts - room
+    if need <= 0:
+        return 0.0
+    steps: list[tuple[float, float]] = []  # (seconds per byte, bytes) of every hull step
+    for t, (_, count) in enumerate(types):
+        points = [(0.0, 0.0)] + [
+            (stored["none"][t].activation_bytes - stored[mode][t].activation_bytes,
+             stored[mode][t].recompute_s) for mode in ("selective", "full")]
+        hull = [(0.0, 0.0)]
+        for saved, seconds in sorted(points[1:]):
+            if saved <= hull[-1][0]:
+                continue
+            while len(hull) >= 2:
+                (a0, t0), (a1, t1) = hull[-2], hull[-1]
+                if (t1 - t0) * (saved - a0) >= (seconds - t0) * (a1 - a0):
+                    hull.pop()  # not on the lower hull
+                else:
+                    break
+            hull.append((saved, seconds))
+        for (a0, t0), (a1, t1) in zip(hull, hull[1:], strict=False):
+            steps.append(((t1 - t0) / (a1 - a0), (a1 - a0) * count))
+    seconds = 0.0
+    for rate, nbytes in sorted(steps):
+        take = min(nbytes, need)
+        seconds += rate * take
+        need -= take
+        if need <= 0:
+            break
+    return seconds
 
 
 def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
-                 schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+                 schedule: str = "1f1b", virtual_stages: int = 1,
+                 recompute_s: float = 0.0) -> float:
     """No step can be faster: the work of one micro-batch, W, split evenly over p stages, run
     m times, plus the schedule's fill and drain on the even split, (p - 1) W / p x phi
-    (phi = 1, 1/v interleaved, (W - 2 w) / W zero-bubble with w the weight-gradient time). With stage times t_i summing to W the
-    step is at least m max(t) + (W - max(t)) phi, smallest at max(t) = W / p."""
-    weight_grad = total = 0.0
-    for i in range(len(graph.blocks)):
+    (:func:`autopar.cost.pipeline.fill_drain_factor`); ``recompute_s`` is a lower bound on the
+    recompute memory forces (:func:`_recompute_lower_bound`). With stage times t_i summing to at
+    least W the step is at least m max(t) + (sum(t) - max(t)) phi, smallest at max(t) = W / p;
+    collectives and recompute only add to it. Per-micro-batch sharded-data-parallel
+    collectives beside a pass cost at least ``overlapped(pass compute, collectives)``: the
+    overlap formula is homogeneous and concave in the collectives, so the sum over blocks and
+    stages is at least the formula on the sums."""
+    weight_grad = 0.0
+    compute_f = compute_b = gather = reduce = 0.0
+    replicated = train and config.dp * config.ep > 1
+    zero3 = replicated and config.zero_stage == 3
+    reduces = zero3 or (replicated and config.zero_stage == 2 and config.engine == "autopar")
+    per_type: dict[int, float] = {}
+    smallest_send = float("inf")
+    for blocks in graph.block_types().values():
+        i, count = blocks[0].index, len(blocks)
         c = cached_block_cost(graph, i, config, cluster, "none")
-        weight_grad += c.bwd_s / 2 if train else 0.0
-        total += c.fwd_s + c.tp_comm_s + c.ep_comm_s + (c.bwd_s if train else 0.0)
+        # what a block puts on its stage's compute lane (as the estimate's stage_cost does)
+        per_type[blocks[0].type_id] = c.fwd_s + c.tp_comm_s + (
+            c.bwd_s + c.ep_comm_s if train else c.ep_comm_s / 2)
+        smallest_send = min(smallest_send, c.output_bytes)
+        weight_grad += count * c.bwd_s / 2 if train else 0.0
+        compute_f += count * (c.fwd_s + (c.tp_comm_s / 2 if train else c.tp_comm_s)
+                              + c.ep_comm_s / 2)
+        if train:
+            compute_b += count * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
+        if reduces:
+            traffic = cached_block_traffic(graph, i, config, cluster)
+            gather += count * traffic.gather_s if zero3 else 0.0
+            reduce += count * traffic.reduce_s
+    overlap = cluster.device.overlap
+    total = overlapped(compute_f, gather, overlap)
+    if train:
+        total += overlapped(compute_b + recompute_s, gather + reduce, overlap)
     p, m = config.pp, config.num_microbatches
-    phi = 1.0
-    if schedule == "interleaved":
-        phi = 1 / virtual_stages
-    elif schedule == "zero_bubble":
-        phi = (total - 2 * weight_grad) / total if total else 1.0
-    return total / p * (m + (p - 1) * phi)
+    phi = fill_drain_factor(schedule, virtual_stages, total, weight_grad,
+                            config.num_microbatches, config.pp)
+    if p == 1:
+        return m * total
+    # the slowest stage is at least the average, and at least the best any contiguous split
+    # of the blocks' own times achieves
+    times = tuple(per_type[b.type_id] for b in graph.blocks)
+    bottleneck = max(total / p, _min_max_split(times, p))
+    chunks = virtual_stages if schedule == "interleaved" else 1
+    send = p2p_time(smallest_send, config, cluster)
+    hidden = p2p_hidden_share(config, cluster)
+    sends = 2 * (p * chunks - 1) * send + 2 * chunks * m * send * (
+        (1 - hidden) + hidden * cluster.device.overlap.compute_slowdown)
+    return m * bottleneck + phi * (total - bottleneck) + sends
+
+
+@lru_cache(maxsize=4096)
+def _min_max_split(times: tuple[float, ...], parts: int) -> float:
+    """A lower bound (within 1e-9) on the slowest part of the best split of ``times`` into at
+    most ``parts`` contiguous parts: bisection on the greedy packing test."""
+    lo, hi = max(times), sum(times)
+    if parts <= 1 or lo >= hi:
+        return hi if parts <= 1 else lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        count, run = 1, 0.0
+        for t in times:
+            if run + t > mid:
+                count, run = count + 1, t
+            else:
+                run += t
+        if count <= parts:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return lo
 
 
 def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train: bool
-                  ) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes that some device holds at least: the model states
-    split as evenly as the mesh allows, before offload."""
+                  ) -> MemoryBreakdown:
+    """Parameter, gradient and optimizer bytes that some device holds at least: the model states
+    split as evenly as the mesh allows, before offload (the cost model's ZeRO formula)."""
+    precision = config.precision
+    assert precision is not None
     dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
     experts = facts.expert_params / (config.ep * config.pp)
-    out = [0.0, 0.0, 0.0]
+    out = MemoryBreakdown()
     for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
-        p, g = float(config.param_bytes), float(config.grad_bytes)
-        o = float(config.optimizer_bytes) * config.trainable_fraction
-        if not train:
-            g = o = 0.0
-        if config.zero_stage >= 1:
-            o /= replicas
-        if config.zero_stage >= 2:
-            g /= replicas
-        if config.zero_stage >= 3:
-            p /= replicas
-        out[0] += numel * p
-        out[1] += numel * g * config.trainable_fraction
-        out[2] += numel * o
-    return out[0], out[1], out[2]
+        if train:
+            states = model_state_bytes(numel, replicas, config.zero_stage, precision.param_bytes,
+                                       precision.grad_bytes, precision.optimizer_bytes,
+                                       config.trainable_fraction)
+        else:
+            states = MemoryBreakdown(params=numel * precision.param_bytes)
+        out.params += states.params
+        out.grads += states.grads
+        out.optimizer += states.optimizer
+    return out
 
 
-def _memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
-                        config: ParallelConfig, train: bool) -> float:
+def candidate_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                          config: ParallelConfig, task: str, capacity: float,
+                          pinned_recompute: str | tuple[str, ...] | None = None) -> float:
+    """No plan of this candidate (any stage partition, any per-block recompute that fits
+    ``capacity``) has a shorter step: the pipelined work with the least recompute memory
+    forces, plus the optimizer update and offload streams of the least any device holds.
+    ``config`` must carry its precision."""
+    train = task != "infer"
+    recompute = _recompute_lower_bound(graph, facts, cluster, config, train, capacity,
+                                       pinned_recompute)
+    return (_lower_bound(graph, cluster, config, train, config.schedule, config.virtual_stages,
+                         recompute)
+            + _update_time_lower_bound(graph, facts, cluster, config, train))
+
+
+def memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                       config: ParallelConfig, train: bool) -> float:
     """No device of this candidate needs less: the states floor (less what is offloaded) plus a
     1/pp share of the activations every block keeps even under full recompute."""
-    params, grads, optimizer = _states_floor(graph, facts, config, train)
+    floor = _states_floor(graph, facts, config, train)
     if "optimizer" in config.offload:
-        optimizer = 0.0
+        floor.optimizer = 0.0
     if "params" in config.offload:
-        params = 0.0
-    total = params + grads + optimizer
+        floor.params = 0.0
+    total = floor.params + floor.grads + floor.optimizer
     if train:
         lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes
                    for i in range(len(graph.blocks)))
@@ -122,26 +304,38 @@ def _memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
 
 def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
                              config: ParallelConfig, train: bool) -> float:
-    """The optimizer update and the optimizer/parameter offload streams, from the states floor
-    (the same formulas as the cost model, on the least any device holds)."""
+    """The optimizer update, the optimizer/parameter offload streams and the once-per-step
+    data-parallel collectives of the least any device holds (the cost model's own functions
+    on the states floor)."""
     if not train:
         return 0.0
-    params, grads, optimizer = _states_floor(graph, facts, config, train)
-    device = cluster.device
-    on_device = params + grads + (0.0 if "optimizer" in config.offload else optimizer)
-    seconds = 2 * on_device / (device.memory_bandwidth * device.efficiency.memory)
-    if "optimizer" in config.offload:
-        local = optimizer / max(config.optimizer_bytes, 1)
-        seconds += local * (config.grad_bytes + config.param_bytes) / cluster.node.host_bandwidth
-    if "params" in config.offload:
-        hidden = 0.5 * device.efficiency.overlap
-        seconds += params * 2 * config.num_microbatches / cluster.node.host_bandwidth * (1 - hidden)
+    floor = _states_floor(graph, facts, config, train)
+    _, offload_s = offload_transfer(config, floor, [], config.num_microbatches, cluster,
+                                    train, 1.0)
+    seconds = offload_s + optimizer_step_time(floor, cluster.device, config.precision)
+    replicated = config.dp * config.ep > 1
+    per_block = config.zero_stage == 3 or (config.zero_stage == 2 and config.engine == "autopar")
+    if replicated and not per_block:
+        # the once-per-step gradient reduction of the stage holding the average share of the
+        # parameters, beside the whole model's backward: no stage's is shorter
+        precision = config.precision
+        dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
+        experts = facts.expert_params / (config.ep * config.pp)
+        sync = step_sync(dense, experts, config, cluster, precision.param_bytes,
+                         precision.grad_bytes, config.trainable_fraction)
+        window = 0.0
+        for blocks in graph.block_types().values():
+            c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")
+            window += len(blocks) * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
+        seconds += step_sync_exposed(sync, window, cluster.device.overlap)
     return seconds
 
 
 def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
                global_batch: int, pins: dict, allow_cross_node_tp: bool,
-               rejected: dict[str, int], defaults: dict) -> list[Candidate]:
+               rejected: dict[str, int], defaults: dict,
+               layouts: dict[int, TPLayouts] | None = None,
+               capacity: float = float("inf")) -> list[Candidate]:
     out: list[Candidate] = []
     meshes = legal_meshes(facts, devices, global_batch, cluster.devices_per_node, pins,
                           allow_cross_node_tp)
@@ -156,16 +350,17 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                     continue
                 base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
                                       sequence_parallel=sp, microbatch_size=mb,
-                                      num_microbatches=m, **defaults)
+                                      num_microbatches=m,
+                                      tp_layouts=(layouts or {}).get(mesh.tp), **defaults)
                 out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
-                                          rejected))
+                                          rejected, capacity))
     out.sort()
     return out
 
 
 def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: Mesh,
-                   facts: ModelFacts, task: str, pins: dict, rejected: dict[str, int]
-                   ) -> list[Candidate]:
+                   facts: ModelFacts, task: str, pins: dict, rejected: dict[str, int],
+                   capacity: float) -> list[Candidate]:
     train = task != "infer"
     replicas = mesh.dp * mesh.ep
     zeros = (0, 1, 2, 3) if train and replicas > 1 else (0,)
@@ -175,10 +370,14 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
         schedules = []
         for name in SCHEDULES_PP:
             if name == "interleaved":
-                if base.num_microbatches % mesh.pp or facts.blocks < 2 * mesh.pp:
+                # Megatron's interleaved 1F1B: micro-batches in multiples of pp, v model chunks
+                # per device (at least one block each)
+                if base.num_microbatches % mesh.pp:
                     continue
-                schedules.append((name, 2))
-            else:
+                for v in VIRTUAL_STAGES:
+                    if v * mesh.pp <= facts.blocks and pins.get("virtual_stages", v) == v:
+                        schedules.append((name, v))
+            elif pins.get("virtual_stages", 1) == 1:
                 schedules.append((name, 1))
     offloads = OFFLOAD_CHOICES if train else ((), ("params",))
     out = []
@@ -188,7 +387,6 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
         for si, (schedule, v) in enumerate(schedules):
             if pins.get("schedule", schedule) != schedule and mesh.pp > 1:
                 continue
-            lb = _lower_bound(graph, cluster, base, train, schedule, v)
             for oi, offload in enumerate(offloads):
                 if "offload" in pins and tuple(sorted(pins["offload"])) != offload:
                     continue
@@ -197,7 +395,8 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                 if unsupported(config, facts.experts > 0):
                     rejected["runtime"] = rejected.get("runtime", 0) + 1
                     continue
-                bound = lb + _update_time_lower_bound(graph, facts, cluster, config, train)
+                bound = candidate_lower_bound(graph, facts, cluster, config, task, capacity,
+                                              pins.get("recompute"))
                 tie = (oi, zero, si, int(base.sequence_parallel), mesh.pp, mesh.tp, mesh.ep,
                        base.microbatch_size)
                 out.append(Candidate(bound, tie, config))
@@ -206,71 +405,17 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
     return out
 
 
-def fit_recompute(graph: Graph, cluster: Cluster, config: ParallelConfig, capacity: float,
-                  host_capacity: float, task: str, pinned: str | None
-                  ) -> tuple[ParallelConfig, Estimate | None, Estimate]:
-    """The cheapest per-block recompute that fits ``capacity``.
-
-    Returns (the config with its recompute, its estimate or None when nothing fits, the
-    leanest estimate). Full recompute is tried first: it stores the least, so when it does not
-    fit nothing does.
-    """
-    train = task != "infer"
-    if pinned is not None or not train:
-        config = replace(config, recompute=pinned or "none")
-        est = estimate(graph, cluster, config, task)
-        return config, (est if est.fits(capacity, host_capacity) else None), est
-    lean_config = replace(config, recompute="full")
-    lean = estimate(graph, cluster, lean_config, task)
-    if not lean.fits(capacity, host_capacity):
-        return lean_config, None, lean
-    none_config = replace(config, recompute="none")
-    est = estimate(graph, cluster, none_config, task)
-    if est.fits(capacity, host_capacity):
-        return none_config, est, lean
-    modes: list[str] = ["none"] * len(graph.blocks)
-    for s, stage in enumerate(est.stages):
-        start, end = stage.blocks
-        static = stage.memory.total - stage.memory.activations
-        held = inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
-                                     config.virtual_stages)
-        if "activations" in config.offload:
-            held = min(held, 1.0)
-        by_type: dict[int, list[int]] = {}
-        for i in range(start, end):
-            by_type.setdefault(graph.blocks[i].type_id, []).append(i)
-        types = []
-        for indices in by_type.values():
-            costs = []
-            for mode in MODES:
-                c = cached_block_cost(graph, indices[0], config, cluster, mode)
-                costs.append(ModeCost(c.activation_bytes, c.recompute_peak_bytes, c.recompute_s))
-            types.append((len(indices), costs))
-        chosen = choose_recompute(types, static, held, capacity)
-        if chosen is None:
-            return lean_config, lean, lean  # all-full fits, so this cannot happen
-        for indices, counts in zip(by_type.values(), chosen[0], strict=True):
-            at = 0
-            for mode in ("full", "selective", "none"):  # deterministic: earliest blocks first
-                for i in indices[at:at + counts.get(mode, 0)]:
-                    modes[i] = mode
-                at += counts.get(mode, 0)
-    chosen_config = replace(config, recompute=tuple(modes))
-    est = estimate(graph, cluster, chosen_config, task)
-    if est.fits(capacity, host_capacity):
-        return chosen_config, est, lean
-    return lean_config, lean, lean
-
-
 def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
            global_batch: int, pins: dict, capacity: float, time_limit_s: float | None = None,
            progress: Progress | None = None, keep: int = 5,
-           defaults: dict | None = None) -> SearchResult:
+           defaults: dict | None = None,
+           layouts: dict[int, TPLayouts] | None = None) -> SearchResult:
     """Best plan under the cost model; raises InfeasibleError when nothing fits.
 
     ``pins`` fixes any of pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage,
     recompute, offload, schedule, sequence_parallel; ``defaults`` sets the remaining
-    ParallelConfig fields (compute dtype, bytes per state, trainable fraction).
+    ParallelConfig fields (precision, engine, trainable fraction); ``layouts`` are the
+    per-op tensor-parallel layouts per degree (:func:`autopar.search.sharding.solve_layouts`).
     """
     started = time.perf_counter()
     train = task != "infer"
@@ -281,8 +426,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
     result = None
     for cross_node in (False, True):
         cands = candidates(graph, facts, cluster, devices, task, global_batch, pins, cross_node,
-                           rejected, defaults or {})
-        stages_of: dict[int, tuple[tuple[int, int], ...]] = {}
+                           rejected, defaults or {}, layouts, capacity)
         best: tuple[ParallelConfig, Estimate] | None = None
         found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
         evaluated = pruned = 0
@@ -290,9 +434,11 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
         bound = float("inf")
         timed_out = False
         for k, cand in enumerate(cands):
-            if best is not None and cand.lower_bound_s >= best[1].step_time_s:
+            # keep going while a candidate could land within the robustness margin
+            if best is not None and cand.lower_bound_s >= best[1].step_time_s * (
+                    1 + ROBUST_MARGIN):
                 pruned = len(cands) - k
-                bound = best[1].step_time_s
+                bound = min(cand.lower_bound_s, best[1].step_time_s)
                 break
             if (time_limit_s is not None and best is not None
                     and time.perf_counter() - started > time_limit_s):
@@ -303,37 +449,40 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             if progress and k % 64 == 0:
                 progress(k / max(len(cands), 1), f"{k}/{len(cands)} candidates")
             config = cand.config
-            floor = _memory_lower_bound(graph, facts, cluster, config, train)
+            floor = memory_lower_bound(graph, facts, cluster, config, train)
             if floor > capacity:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 memory_rejected.append(cand.lower_bound_s)
                 if leanest is None or floor < leanest[0]:
                     leanest = (floor, config, None)
                 continue
-            if config.pp not in stages_of:
-                stages_of[config.pp] = balanced_stages(graph, config.pp)
-            config = replace(config, stages=stages_of[config.pp])
             evaluated += 1
-            config, est, lean = fit_recompute(graph, cluster, config, capacity, host_capacity,
-                                              task, pinned_recompute)
-            if est is None:
+            chosen = best_partition(graph, cluster, config, capacity, host_capacity, task,
+                                    pinned_recompute)
+            if chosen is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 memory_rejected.append(cand.lower_bound_s)
+                lean_config = replace(config, recompute=pinned_recompute or "full",
+                                      stages=None)
+                lean = estimate(graph, cluster, lean_config, task)
                 if leanest is None or lean.memory.total < leanest[0]:
-                    leanest = (lean.memory.total, config, lean)
+                    leanest = (lean.memory.total, lean_config, lean)
                 continue
+            config, est = chosen
             found.append((est.step_time_s, cand.tie, config, est))
             if best is None or est.step_time_s < best[1].step_time_s:
-                best = (found[-1][2], est)
+                best = (config, est)
         else:
             bound = best[1].step_time_s if best is not None else float("inf")
         if best is not None:
             found.sort(key=lambda f: (f[0], f[1]))
-            alternatives = _distinct_alternatives(found, best[0], keep)
+            chosen_plan, robust = _robust_choice(graph, cluster, task, found, best)
+            alternatives = _distinct_alternatives(found, chosen_plan[0], keep)
             gap = max(0.0, (best[1].step_time_s - bound) / best[1].step_time_s)
-            result = SearchResult(best[0], best[1], alternatives, min(bound, best[1].step_time_s),
-                                  gap, evaluated, pruned, rejected,
-                                  time.perf_counter() - started, timed_out, memory_rejected)
+            result = SearchResult(chosen_plan[0], chosen_plan[1], alternatives,
+                                  min(bound, best[1].step_time_s), gap, evaluated, pruned,
+                                  rejected, time.perf_counter() - started, timed_out,
+                                  memory_rejected, best, robust)
             break
         if not any(facts.tp_ok(t) for t in divisors(devices) if t > cluster.devices_per_node):
             break  # no wider tensor-parallel degree to try across nodes
@@ -343,6 +492,30 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
     if progress:
         progress(1.0, "done")
     return result
+
+
+def _robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
+                   best: tuple[ParallelConfig, Estimate]
+                   ) -> tuple[tuple[ParallelConfig, Estimate], dict]:
+    """Among the plans within ROBUST_MARGIN of the fastest, the one whose worse step time under
+    1.5x slower communication or halved overlap is smallest (then the faster one)."""
+    limit = best[1].step_time_s * (1 + ROBUST_MARGIN)
+    near = [f for f in found if f[0] <= limit]
+    scored = []
+    for step, tie, config, est in near:
+        checks = sensitivity(graph, cluster, config, task)
+        scored.append((max(checks.values()), step, tie, config, est, checks))
+    scored.sort(key=lambda r: (r[0], r[1], r[2]))
+    worst, step, _, config, est, checks = scored[0]
+    fastest_checks = next(r[5] for r in scored if r[3] is best[0])
+    robust = {
+        "margin": ROBUST_MARGIN, "candidates": len(near),
+        "fastest_step_time_s": best[1].step_time_s,
+        "fastest_worst_case_s": max(fastest_checks.values()),
+        "chosen_worst_case_s": worst, "checks": checks,
+        "changed": config is not best[0],
+    }
+    return (config, est), robust
 
 
 def _distinct_alternatives(found: list, best: ParallelConfig, keep: int

@@ -11,19 +11,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.cost.comm import p2p_time
-from autopar.cost.config import ParallelConfig
-from autopar.cost.estimate import Estimate, cached_block_cost
+from autopar.cost.config import ParallelConfig, TPLayouts
+from autopar.cost.estimate import Estimate, cached_block_cost, p2p_hidden_share
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tp_layout
 from autopar.ir.graph import Graph
-from autopar.plan.plan import Predicted, _round
+from autopar.plan.plan import Predicted, round6
 from autopar.search.recompute import MODES
 from autopar.search.sharding import STRATEGY_NAMES, node_options
 from autopar.search.space import ModelFacts, divisors
 
 
 def _rounded(d: dict[str, float]) -> dict[str, float]:
-    return {k: _round(v) for k, v in d.items()}
+    return {k: round6(v) for k, v in d.items()}
 
 
 def _stage_recompute_s(graph: Graph, cluster: Cluster, config: ParallelConfig, task: str,
@@ -39,17 +39,20 @@ def breakdown(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     """The step time as terms that add up to it, along the bottleneck stage's critical path.
 
     compute and recompute and tp/ep communication are that stage's ``m`` micro-batches; bubble
-    is the schedule's fill and drain (with the point-to-point sends); the rest are per step.
+    is the schedule's fill and drain (with the point-to-point sends); dp_comm is what data
+    parallelism adds to those micro-batches (exposed collectives, compute slowed beside them)
+    plus its once-per-step collectives; optimizer and offload are the slowest stage tail's.
     """
     m = config.num_microbatches
     k = max(range(len(est.stages)), key=lambda i: est.stages[i].fwd_s + est.stages[i].bwd_s)
     stage = est.stages[k]
+    tail = max(est.stages, key=lambda s: s.tail_s)
     recompute = _stage_recompute_s(graph, cluster, config, task, *stage.blocks)
     return _rounded({
         "compute_s": m * (stage.compute_s - recompute), "recompute_s": m * recompute,
         "comm_s": m * stage.comm_s, "bubble_s": est.bubble_s,
-        "dp_comm_s": max(s.dp_exposed_s for s in est.stages),
-        "optimizer_s": est.optimizer_s, "offload_s": est.offload_s,
+        "dp_comm_s": m * stage.dp_microbatch_s + tail.dp_exposed_s,
+        "optimizer_s": tail.optimizer_s, "offload_s": tail.offload_s,
     })
 
 
@@ -62,36 +65,53 @@ def _p2p_s(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estimate
 
 
 def predicted(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estimate,
-              task: str) -> Predicted:
-    """The cost model's prediction, with per-stage time (incl. idle) and memory by kind."""
+              task: str, checks: dict[str, float] | None = None) -> Predicted:
+    """The cost model's prediction, with per-stage time (incl. idle) and memory by kind, and
+    the step under the robustness checks (computed here when not given)."""
+    if checks is None:
+        from autopar.search.planner import sensitivity
+
+        checks = sensitivity(graph, cluster, config, task)
     m = config.num_microbatches
     pipeline = m * max(s.fwd_s + s.bwd_s for s in est.stages) + est.bubble_s
+    # steady-state sends keep a stage busy, not idle: what they cost is not its bubble
+    hidden = p2p_hidden_share(config, cluster)
+    p2p = _p2p_s(graph, cluster, config, est)
+    steady_send = p2p * ((1 - hidden) + hidden * cluster.device.overlap.compute_slowdown)
+    chunks = config.virtual_stages if config.schedule == "interleaved" else 1
+    busy_sending = 2 * chunks * m * steady_send if config.pp > 1 else 0.0
     stages = []
     for s in est.stages:
         stages.append({
-            "blocks": list(s.blocks), "fwd_s": _round(s.fwd_s), "bwd_s": _round(s.bwd_s),
-            "compute_s": _round(s.compute_s), "comm_s": _round(s.comm_s),
-            "dp_comm_s": _round(s.dp_comm_s), "dp_exposed_s": _round(s.dp_exposed_s),
+            "blocks": list(s.blocks), "fwd_s": round6(s.fwd_s), "bwd_s": round6(s.bwd_s),
+            "compute_s": round6(s.compute_s), "comm_s": round6(s.comm_s),
+            "dp_comm_s": round6(s.dp_comm_s), "dp_exposed_s": round6(s.dp_exposed_s),
             "memory": _rounded(s.memory.as_dict()),
-            "recompute_s": _round(_stage_recompute_s(graph, cluster, config, task, *s.blocks)),
-            "weight_grad_s": _round(s.weight_grad_s),
+            "recompute_s": round6(_stage_recompute_s(graph, cluster, config, task, *s.blocks)),
+            "weight_grad_s": round6(s.weight_grad_s),
             # idle time of this stage within the pipelined forward/backward of one step
-            "bubble_s": _round(max(pipeline - m * (s.fwd_s + s.bwd_s), 0.0)),
-            "offload_s": _round(s.offload_s), "host_bytes": _round(s.host_bytes),
+            "bubble_s": round6(max(pipeline - m * (s.fwd_s + s.bwd_s) - busy_sending, 0.0)),
+            "offload_s": round6(s.offload_s), "host_bytes": round6(s.host_bytes),
+            "optimizer_s": round6(s.optimizer_s),
+            # what data parallelism adds to each micro-batch (exposed collectives and compute
+            # slowed beside them)
+            "dp_microbatch_s": round6(s.dp_microbatch_s),
         })
     return Predicted(
-        step_time_s=_round(est.step_time_s), memory=_rounded(est.memory.as_dict()),
-        mfu=_round(est.mfu), tokens_per_s=_round(est.tokens_per_s), bubble_s=_round(est.bubble_s),
-        host_bytes_per_node=_round(est.host_bytes_per_node), stages=stages,
+        step_time_s=round6(est.step_time_s), memory=_rounded(est.memory.as_dict()),
+        mfu=round6(est.mfu), tokens_per_s=round6(est.tokens_per_s), bubble_s=round6(est.bubble_s),
+        host_bytes_per_node=round6(est.host_bytes_per_node), stages=stages,
         breakdown=breakdown(graph, cluster, config, est, task),
-        pipeline_s=_round(pipeline), p2p_s=_round(_p2p_s(graph, cluster, config, est)),
-        optimizer_s=_round(est.optimizer_s), offload_s=_round(est.offload_s),
-        model_flops=_round(est.model_flops))
+        pipeline_s=round6(pipeline), p2p_s=round6(p2p), p2p_steady_s=round6(steady_send),
+        optimizer_s=round6(est.optimizer_s), offload_s=round6(est.offload_s),
+        model_flops=round6(est.model_flops), sensitivity=_rounded(checks))
 
 
 def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estimate,
               best: Estimate, task: str) -> dict:
-    """One runner-up plan: its choice, and how much slower and larger than the chosen one."""
+    """One runner-up plan: its choice, how much slower and larger than the chosen one, and its
+    step under the robustness checks (a faster runner-up lost on those)."""
+    from autopar.search.planner import sensitivity
     if isinstance(config.recompute, str):
         per_block = [config.recompute] * len(graph.blocks)
     else:
@@ -103,13 +123,14 @@ def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
         "virtual_stages": config.virtual_stages,
         "sequence_parallel": config.sequence_parallel, "recompute": sorted(set(per_block)),
         "recompute_blocks": {m: per_block.count(m) for m in MODES if per_block.count(m)},
-        "offload": sorted(config.offload), "step_time_s": _round(est.step_time_s),
-        "memory_total": _round(est.memory.total),
-        "slower": _round((est.step_time_s - best.step_time_s) / best.step_time_s),
-        "larger": _round((est.memory.total - best.memory.total) / best.memory.total),
-        "mfu": _round(est.mfu), "tokens_per_s": _round(est.tokens_per_s),
+        "offload": sorted(config.offload), "step_time_s": round6(est.step_time_s),
+        "memory_total": round6(est.memory.total),
+        "slower": round6((est.step_time_s - best.step_time_s) / best.step_time_s),
+        "larger": round6((est.memory.total - best.memory.total) / best.memory.total),
+        "mfu": round6(est.mfu), "tokens_per_s": round6(est.tokens_per_s),
         "memory": _rounded(est.memory.as_dict()),
         "breakdown": breakdown(graph, cluster, config, est, task),
+        "sensitivity": _rounded(sensitivity(graph, cluster, config, task)),
     }
 
 
@@ -171,9 +192,9 @@ def bounds(facts: ModelFacts, cluster: Cluster, devices: int, global_batch: int,
     modes = [config.recompute_of(i) for i in range(est.stages[-1].blocks[1])]
     faster = [b for b in memory_rejected_bounds if b < est.step_time_s]
     memory = {
-        "used_bytes": _round(est.memory.total), "limit_bytes": _round(capacity),
+        "used_bytes": round6(est.memory.total), "limit_bytes": round6(capacity),
         "rejected": rejected.get("memory", 0), "faster_rejected": len(faster),
-        "best_rejected_bound_s": _round(min(faster)) if faster else None,
+        "best_rejected_bound_s": round6(min(faster)) if faster else None,
         "recompute_blocks": 0 if pinned_recompute else sum(m != "none" for m in modes),
         "offload": [] if "offload" in pins else sorted(config.offload),
     }
@@ -191,7 +212,8 @@ def bounds(facts: ModelFacts, cluster: Cluster, devices: int, global_batch: int,
     return {"memory": memory, **excluded}
 
 
-def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[int]) -> dict:
+def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[int],
+            layouts: dict[int, TPLayouts] | None = None) -> dict:
     """Per block type: cost at every tensor-parallel degree searched, per recompute mode, and
     per op the chosen sharding strategy and every legal one's seconds at the plan's degree."""
     out: dict[str, dict] = {}
@@ -199,7 +221,8 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
         block = blocks[0]
         by_tp = {}
         for t in sorted({1, *tps}):
-            cfg = replace(config, tp=t, sequence_parallel=config.sequence_parallel and t > 1)
+            cfg = replace(config, tp=t, sequence_parallel=config.sequence_parallel and t > 1,
+                          tp_layouts=(layouts or {}).get(t))
             c = cached_block_cost(graph, block.index, cfg, cluster, "none")
             by_tp[str(t)] = _rounded({
                 "fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.tp_comm_s + c.ep_comm_s,
@@ -211,7 +234,7 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
             by_mode[mode] = _rounded({"activation_bytes": c.activation_bytes,
                                       "peak_bytes": c.recompute_peak_bytes,
                                       "recompute_s": c.recompute_s})
-        layout = tp_layout(graph, block, config.tp)
+        layout = tp_layout(graph, block, config.tp_layouts)
         chosen_of = {}
         if config.tp > 1:
             chosen_of = {**{n: "S" for n in layout.sharded}, **{n: "C" for n in layout.column},
@@ -219,7 +242,7 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
         prefix = block.name + "."
         nodes = {}
         for name, costs in node_options(graph, block, config.tp, cluster,
-                                        config.compute_dtype).items():
+                                        config.precision.compute).items():
             op = graph.op(name)
             module = op.module_path
             nodes[name] = {"module": module[len(prefix):] if module.startswith(prefix)

@@ -10,7 +10,8 @@ which any split op slices for free; what the next block reads is replicated (the
 outputs, the logits, may stay split for a vocabulary-parallel loss). The objective is the
 block's forward + backward compute on one device plus the all-reduces the strategies imply
 (one per distinct column-parallel input), in integer nanoseconds. One model per block type and
-degree; its optimum (CP-SAT proves it) is registered as that type's layout for the cost model.
+degree; its optimum (CP-SAT proves it) is that type's layout, handed to the cost model inside
+the candidate's ParallelConfig (``tp_layouts``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from autopar.capture.op_costs import packet_name
 from autopar.cost.activations import requires_grad
 from autopar.cost.comm import axis_collective_time
 from autopar.cost.compute import op_time
-from autopar.cost.config import ParallelConfig
+from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
-from autopar.cost.tp_layout import register_layout
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
@@ -178,18 +178,23 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
     )
 
 
-def solve_and_register(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16"
-                       ) -> list[ShardingSolution]:
-    """Solve every block type at every degree in ``tps`` (> 1) and register the layouts."""
+def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16"
+                  ) -> tuple[dict[int, TPLayouts], list[ShardingSolution]]:
+    """Solve every block type at every degree in ``tps`` (> 1): the layouts per degree, for
+    ``ParallelConfig.tp_layouts``, and the solver's reports."""
     solutions = []
+    layouts: dict[int, TPLayouts] = {}
     first_of_type: dict[int, Block] = {}
     for block in graph.blocks:
         first_of_type.setdefault(block.type_id, block)
     for tp in sorted(set(tps)):
         if tp <= 1:
             continue
+        by_type = []
         for block in first_of_type.values():
             sol = solve_block(graph, block, tp, cluster, dtype)
-            register_layout(graph, block.type_id, tp, sol.column, sol.row, sol.sharded)
+            by_type.append((block.type_id, BlockLayout(tuple(sol.column), tuple(sol.row),
+                                                       tuple(sol.sharded))))
             solutions.append(sol)
-    return solutions
+        layouts[tp] = TPLayouts(tp, tuple(by_type))
+    return layouts, solutions

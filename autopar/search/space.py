@@ -44,7 +44,7 @@ def model_facts(graph: Graph) -> ModelFacts:
             heads.add(op.input_meta[0].shape[1])
             for i in (1, 2):  # key/value heads before any grouped-query repetition
                 root = storage_root(graph, op.inputs[i])
-                meta = graph.op(root).output_meta[0] if root in graph._by_name else op.input_meta[i]
+                meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
                 if len(meta.shape) == 4:
                     heads.add(meta.shape[1])
         if op.kind is OpKind.MOE_EXPERT:

@@ -10,7 +10,10 @@ from autopar.cost.config import ParallelConfig
 
 def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
     """Why the runtime cannot run ``config`` (for a mixture-of-experts model when ``moe``),
-    or None when it can."""
+    or None when it can. Plans priced for another engine (megatron, deepspeed) are exported,
+    not run, so only autopar's own engine is restricted."""
+    if config.engine != "autopar":
+        return None
     tp, pp, ep = config.tp, config.pp, config.ep
     if moe and pp > 1:
         return "pipelines of mixture-of-experts models"

@@ -95,7 +95,7 @@ def test_format_1_files_load_and_save_as_the_current_format(plan, tmp_path) -> N
     loaded = Plan.load(old)
     assert loaded.mesh == plan.mesh and loaded.explain == {} and loaded.predicted.breakdown == {}
     saved = yaml.safe_load(loaded.save(tmp_path / "v2.yaml").read_text())
-    assert saved["version"] == PLAN_VERSION == 2
+    assert saved["version"] == PLAN_VERSION == 3
 
 
 def test_the_plan_records_what_the_report_needs(plan) -> None:

@@ -15,7 +15,7 @@ def tiny_graph():
 @pytest.fixture(scope="session")
 def tiny_plan(tiny_graph):
     """Data and tensor parallelism, one pipeline stage."""
-    return autopar.plan(tiny_graph, devices=4, global_batch=16)
+    return autopar.plan(tiny_graph, devices=4, global_batch=16, constraints={"pp": 1})
 
 
 @pytest.fixture(scope="session")

@@ -54,5 +54,7 @@ def test_pipeline_timeline_shows_its_bubbles(llama_tp8_plan) -> None:
     assert total == pytest.approx(plan.predicted.step_time_s, rel=0.01)
     for d in range(2):
         idle = sum(s.duration for s in segs if s.stage == d and s.kind == "bubble")
-        assert idle == pytest.approx(plan.predicted.stages[d]["bubble_s"], rel=0.1)
+        # the closed-form bubble is exact for equal stages; within 1% of the step otherwise
+        assert idle == pytest.approx(plan.predicted.stages[d]["bubble_s"],
+                                     abs=0.01 * plan.predicted.step_time_s)
     assert any(s.kind == "weight" for s in segs)

@@ -7,7 +7,7 @@ import pytest
 import autopar
 from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.tp_layout import tp_layout
-from autopar.search.sharding import solve_and_register, solve_block
+from autopar.search.sharding import solve_block, solve_layouts
 
 
 def _leaf(graph, block, positions):
@@ -46,13 +46,26 @@ def test_slow_links_make_replication_cheaper() -> None:
     assert sol.column == [] and sol.row == []  # all-reduces cost more than they save
 
 
-def test_registered_layout_drives_the_cost_model() -> None:
+def test_chosen_layout_drives_the_cost_model() -> None:
     graph = autopar.capture("tiny-llama", seq=32)
     cluster = load_cluster("cpu")
     before = estimate(graph, cluster, ParallelConfig(tp=2))
-    assert tp_layout(graph, graph.layer_blocks[0], 2).row  # Megatron by default
-    solve_and_register(graph, [2], cluster)
-    assert not tp_layout(graph, graph.layer_blocks[0], 2).row
-    after = estimate(graph, cluster, ParallelConfig(tp=2))
+    assert tp_layout(graph, graph.layer_blocks[0]).row  # Megatron by default
+    layouts, _ = solve_layouts(graph, [2], cluster)
+    assert not tp_layout(graph, graph.layer_blocks[0], layouts[2]).row
+    after = estimate(graph, cluster, ParallelConfig(tp=2, tp_layouts=layouts[2]))
     assert after.stages[0].comm_s < before.stages[0].comm_s
     assert after.step_time_s < before.step_time_s
+
+
+def test_estimate_does_not_depend_on_what_was_planned_before() -> None:
+    """Layouts travel in the config: planning another graph or cluster changes nothing."""
+    graph = autopar.capture("tiny-llama", seq=32)
+    config = ParallelConfig(tp=2, dp=2)
+    first = estimate(graph, "a100-80g", config).step_time_s
+    autopar.plan(graph, devices=4, cluster="cpu", global_batch=4)
+    autopar.plan(autopar.capture("tiny-gpt2", seq=32), devices=2, cluster="a100-80g",
+                 global_batch=2)
+    assert estimate(graph, "a100-80g", config).step_time_s == first
+    with pytest.raises(ValueError, match="tp_layouts are for tp=2"):
+        ParallelConfig(tp=4, tp_layouts=solve_layouts(graph, [2], load_cluster("cpu"))[0][2])

@@ -1,0 +1,170 @@
+"""Data-parallel communication: which collectives each ZeRO stage issues, at what granularity,
+and how much of them hides behind compute. One function per term; the estimate, the planner's
+bounds and the tests all call these.
+
+Overlap (``overlapped``): a collective issued beside compute runs concurrently with it for
+``concurrent`` of its time; while both run, compute is ``compute_slowdown`` slower (the
+collective's kernels take SMs and memory bandwidth); what does not run concurrently is exposed.
+
+Collectives as the engines issue them:
+
+- ``autopar`` (autopar's runtime: PyTorch FSDP2 / DDP):
+  ZeRO-3 all-gathers each block's parameters before its forward and again before its
+  backward, and reduce-scatters its gradients after its backward, every micro-batch; the next
+  block's all-gather is prefetched (depth 1, FSDP2's default) beside the current block's
+  compute. ZeRO-2 keeps parameters gathered for the step (one all-gather per block in the first
+  forward) and reduce-scatters every micro-batch. ZeRO-0/1 all-reduce gradients once per step
+  in 25 MB buckets (DDP's ``bucket_cap_mb``) beside the last micro-batch's backward; ZeRO-1
+  then all-gathers the updated parameter shards after the optimizer step.
+- ``megatron`` (Megatron-LM defaults, ``overlap_grad_reduce = overlap_param_gather = False``):
+  gradients are all-reduced (ZeRO-1, the distributed optimizer: reduce-scattered, then the
+  parameters all-gathered after the step) after the backward, exposed, in buckets of
+  ``max(4e7, 1e6 x dp)`` parameters.
+- ``deepspeed`` (DeepSpeed ZeRO defaults): ZeRO-3 gathers parameter by parameter (one
+  all-gather per parameter tensor, prefetched beside compute, ``overlap_comm`` on) and
+  reduce-scatters gradients in buckets of 5e8 elements; ZeRO-1/2 reduce in 5e8-element
+  buckets after the backward (``overlap_comm`` off) and all-gather parameters after the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cost.comm import axis_collective_time
+from autopar.cost.config import ParallelConfig
+from autopar.cost.hardware import Cluster, Overlap
+
+DDP_BUCKET_BYTES = 25e6  # torch DistributedDataParallel bucket_cap_mb default (25 MB)
+MEGATRON_BUCKET_PARAMS = 4e7  # Megatron-LM DDP: max(40M, 1M x dp) parameters per bucket
+DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO reduce_bucket_size / allgather_bucket_size
+
+
+def overlapped(compute_s: float, comm_s: float, overlap: Overlap) -> float:
+    """Wall seconds of ``compute_s`` of compute with ``comm_s`` of collectives issued beside it
+    (neither waits for the other)."""
+    concurrent = min(comm_s * overlap.concurrent, compute_s)
+    return compute_s + overlap.compute_slowdown * concurrent + (comm_s - concurrent)
+
+
+def forward_with_gathers(compute_s: list[float], gather_s: list[float],
+                         overlap: Overlap) -> float:
+    """One micro-batch's forward over blocks whose parameters are gathered just in time: the
+    first gather is exposed, each next one is prefetched beside the current block."""
+    if not compute_s:
+        return 0.0
+    total = gather_s[0]
+    for i, c in enumerate(compute_s):
+        nxt = gather_s[i + 1] if i + 1 < len(gather_s) else 0.0
+        total += overlapped(c, nxt, overlap)
+    return total
+
+
+def backward_with_collectives(compute_s: list[float], gather_s: list[float],
+                              reduce_s: list[float], overlap: Overlap) -> float:
+    """One micro-batch's backward, last block first: the last block's gather is exposed; beside
+    each block run the previous block's gather (prefetch) and the reduce-scatter of the block
+    just finished; the first block's reduce-scatter is exposed at the end."""
+    n = len(compute_s)
+    if n == 0:
+        return 0.0
+    total = gather_s[-1]
+    for i in range(n - 1, -1, -1):
+        beside = (gather_s[i - 1] if i > 0 else 0.0) + (reduce_s[i + 1] if i + 1 < n else 0.0)
+        total += overlapped(compute_s[i], beside, overlap)
+    return total + reduce_s[0]
+
+
+@dataclass
+class BlockTraffic:
+    """One block's data-parallel collectives on one device, seconds each."""
+
+    gather_s: float  # all-gather of its parameters (ZeRO-2/3)
+    reduce_s: float  # reduce-scatter of its gradients (ZeRO-2/3)
+
+
+def _bucketed(kind: str, nbytes: float, bucket_bytes: float, config: ParallelConfig, axis: str,
+              cluster: Cluster) -> float:
+    if nbytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    return buckets * axis_collective_time(kind, nbytes / buckets, config, axis, cluster)
+
+
+def _replicas_axis(expert: bool) -> str:
+    return "dp" if expert else "dense_dp"
+
+
+def block_traffic(dense: float, expert: float, tensors: int, config: ParallelConfig,
+                  cluster: Cluster, param_bytes: int, grad_bytes: int,
+                  trainable_fraction: float) -> BlockTraffic:
+    """The sharded-data-parallel collectives of one block holding ``dense`` and ``expert``
+    parameter elements (``tensors`` parameter tensors) on this device."""
+    gather = reduce = 0.0
+    for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
+        if numel <= 0:
+            continue
+        param_b = numel * param_bytes
+        grad_b = numel * trainable_fraction * grad_bytes
+        if config.engine == "deepspeed":
+            count = max(tensors, 1)
+            gather += count * axis_collective_time("all_gather", param_b / count, config, axis,
+                                                   cluster)
+            reduce += _bucketed("reduce_scatter", grad_b,
+                                DEEPSPEED_BUCKET_ELEMENTS * grad_bytes, config, axis, cluster)
+        else:
+            gather += axis_collective_time("all_gather", param_b, config, axis, cluster)
+            reduce += axis_collective_time("reduce_scatter", grad_b, config, axis, cluster)
+    return BlockTraffic(gather, reduce)
+
+
+@dataclass
+class StepSync:
+    """Per-step data-parallel collectives outside the micro-batch loop."""
+
+    grad_s: float  # gradient reduction (ZeRO-0/1), before any overlap
+    grad_last_s: float  # its last bucket: always after the backward
+    grad_overlaps: bool  # issued beside the last micro-batch's backward
+    param_s: float  # parameter all-gather after the optimizer step (ZeRO-1, megatron/deepspeed)
+
+
+def step_sync(dense: float, expert: float, config: ParallelConfig, cluster: Cluster,
+              param_bytes: int, grad_bytes: int, trainable_fraction: float) -> StepSync:
+    """The once-per-step gradient reduction and parameter gathers of ZeRO-0/1 (and ZeRO-2 on
+    the megatron and deepspeed engines), for a stage holding ``dense``/``expert`` elements."""
+    grad = last = param = 0.0
+    sync = config.zero_stage <= 1 or (config.engine != "autopar" and config.zero_stage == 2)
+    if not sync:
+        return StepSync(0.0, 0.0, False, 0.0)
+    replicas = config.dp * config.ep
+    for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
+        if numel <= 0:
+            continue
+        grad_b = numel * trainable_fraction * grad_bytes
+        param_b = numel * param_bytes
+        if config.engine == "megatron":
+            bucket = max(MEGATRON_BUCKET_PARAMS, 1e6 * replicas) * grad_bytes
+        elif config.engine == "deepspeed":
+            bucket = DEEPSPEED_BUCKET_ELEMENTS * grad_bytes
+        else:
+            bucket = DDP_BUCKET_BYTES
+        kind = "all_reduce" if config.zero_stage == 0 or config.engine == "autopar" \
+            else "reduce_scatter"
+        grad += _bucketed(kind, grad_b, bucket, config, axis, cluster)
+        last += axis_collective_time(kind, min(grad_b, bucket), config, axis, cluster)
+        if config.zero_stage >= 1:
+            param += _bucketed("all_gather", param_b, bucket * param_bytes / grad_bytes,
+                               config, axis, cluster)
+    return StepSync(grad, min(last, grad), config.engine == "autopar", param)
+
+
+def step_sync_exposed(sync: StepSync, last_backward_s: float, overlap: Overlap) -> float:
+    """Seconds the step waits for its once-per-step data-parallel collectives: the gradient
+    reduction beside the last micro-batch's backward (its last bucket after it), or after the
+    backward where the engine does not overlap it, and the parameter gather after the step."""
+    if sync.grad_overlaps:
+        early = max(sync.grad_s - sync.grad_last_s, 0.0)
+        grad = overlapped(last_backward_s, early, overlap) - last_backward_s + sync.grad_last_s
+    else:
+        grad = sync.grad_s
+    return grad + sync.param_s
