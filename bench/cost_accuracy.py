@@ -145,6 +145,7 @@ def predict(case: Case, cluster) -> float:
     import autopar
     from autopar.cost.config import ParallelConfig
     from autopar.cost.estimate import estimate
+    from autopar.cost.precision import FP32
     from autopar.models import GPT, GPTConfig, token_inputs
 
     with torch.device("meta"):
@@ -152,8 +153,7 @@ def predict(case: Case, cluster) -> float:
     graph = autopar.capture(model, token_inputs(case.microbatch, MODEL["seq_len"]))
     config = ParallelConfig(dp=case.dp, tp=case.tp, zero_stage=3 if case.zero3 else 0,
                             microbatch_size=case.microbatch,
-                            recompute="full" if case.recompute else "none",
-                            compute_dtype="fp32", param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+                            recompute="full" if case.recompute else "none", precision=FP32)
     return estimate(graph, cluster, config).step_time_s
 
 

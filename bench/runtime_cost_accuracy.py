@@ -65,6 +65,7 @@ def predict(graph, plan, cluster) -> float:
     """The cost model for the plan's choice with fp32 compute and states (as the runtime)."""
     from autopar.cost.config import ParallelConfig
     from autopar.cost.estimate import estimate
+    from autopar.cost.precision import FP32
 
     config = ParallelConfig(
         dp=plan.mesh["dp"], tp=plan.mesh["tp"], pp=plan.mesh["pp"], ep=plan.mesh["ep"],
@@ -72,8 +73,7 @@ def predict(graph, plan, cluster) -> float:
         microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
         schedule=plan.schedule, virtual_stages=plan.virtual_stages,
         recompute=tuple(plan.recompute), offload=frozenset(plan.offload),
-        stages=tuple(tuple(s) for s in plan.stages), compute_dtype="fp32", param_bytes=4,
-        grad_bytes=4, optimizer_bytes=8)
+        stages=tuple(tuple(s) for s in plan.stages), precision=FP32)
     return estimate(graph, cluster, config).step_time_s
 
 

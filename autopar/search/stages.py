@@ -92,6 +92,20 @@ class StagePlanner:
                                      c.virtual_stages)
         return (tuple(runs), end == self.n, held, stage == c.pp - 1)
 
+    def floor_times(self) -> list[float]:
+        """Per block, the least it puts on its stage's forward + backward (no recompute, no
+        data-parallel collectives): a stage's time is at least their sum."""
+        out = []
+        for i in range(self.n):
+            key = (self.types[i], "none")
+            if key not in self._blocks:
+                self._blocks[key] = cached_block_cost(self.graph, i, self.config, self.cluster,
+                                                      "none")
+            c = self._blocks[key]
+            out.append(c.fwd_s + c.tp_comm_s + (c.bwd_s + c.ep_comm_s if self.train
+                                                else c.ep_comm_s / 2))
+        return out
+
     def _footprint(self, start: int, end: int, stage: int, modes: tuple[str, ...]
                    ) -> tuple[MemoryBreakdown, bool]:
         """The stage's memory with these recompute modes, and whether it fits."""
@@ -199,6 +213,9 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     bound = best[1].step_time_s * _TOLERANCE if best is not None else float("inf")
     phi = {"interleaved": 1.0 / max(config.virtual_stages, 1), "zero_bubble": 0.0}.get(
         config.schedule, 1.0)
+    # no stage can hold more blocks than the longest run whose blocks' own time (a floor of
+    # the stage's) stays under bound / m: partial partitions that could not finish are skipped
+    longest = _longest_run(planner.floor_times(), bound / m if m else float("inf"))
     # fronts[j]: partitions of blocks [0, j) into s + 1 stages, as
     # (max time, sum time, max tail, max send, (previous entry, start, option))
     fronts: list[list[tuple]] = [[] for _ in range(n + 1)]
@@ -207,8 +224,10 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
         new: list[list[tuple]] = [[] for _ in range(n + 1)]
         last = s == p - 1
         for j in range(n if last else s + 1, n - (p - 1 - s) + 1):
+            if n - j > (p - 1 - s) * longest:
+                continue  # the remaining stages could not hold the remaining blocks
             front_j = new[j]
-            for i in range(j - 1, s - 1, -1):  # the stage grows as i falls
+            for i in range(j - 1, max(s, j - longest) - 1, -1):  # the stage grows as i falls
                 if not fronts[i]:
                     continue
                 opt = planner.option(i, j, s)
@@ -236,6 +255,22 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
         if best is None or result[1].step_time_s < best[1].step_time_s * (1 - 1e-12):
             best = result
     return best
+
+
+def _longest_run(times: list[float], limit: float) -> int:
+    """The most consecutive ``times`` any window can hold with a sum within ``limit``."""
+    n = len(times)
+    if limit == float("inf"):
+        return n
+    best = lo = 0
+    total = 0.0
+    for hi, t in enumerate(times):
+        total += t
+        while total > limit * _TOLERANCE and lo <= hi:
+            total -= times[lo]
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return max(best, 1)
 
 
 def _insert(front: list[tuple], cand: tuple) -> None:
