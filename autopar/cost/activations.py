@@ -120,7 +120,10 @@ def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
     if graph.has_op(root):
         nbytes = graph.op(root).output_meta[0].nbytes
     else:
-        nbytes = _input_bytes(graph, op, i)
+        # a graph input (token ids): its own size. An op's input_meta also lists parameters
+        # (an embedding's weight comes first), so position i is not the activation's
+        nbytes = next((inp.meta.nbytes for inp in graph.inputs if inp.name == root),
+                      _input_bytes(graph, op, i))
     return SavedTensor(root, 0, nbytes, op.name)
 
 

@@ -77,3 +77,16 @@ def test_inflight_microbatches_per_schedule() -> None:
     assert [inflight_microbatches("1f1b", 4, s, 16) for s in range(4)] == [4, 3, 2, 1]
     assert inflight_microbatches("1f1b", 4, 0, 2) == 2  # never more than exist
     assert inflight_microbatches("interleaved", 4, 0, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_an_embedding_keeps_its_token_ids_not_its_weight() -> None:
+    """The embedding saves the ids it looked up (a graph input) for its backward: bytes of the
+    ids, not of the table (an op's input metadata lists its weight first)."""
+    from autopar.cost.activations import block_activation_bytes
+
+    graph = autopar.capture("tiny-llama", seq=32)
+    head = graph.blocks[0]
+    ids = graph.inputs[0].meta.nbytes
+    table = graph.params["model.embed_tokens.weight"].nbytes
+    stored = block_activation_bytes(graph, head).stored_bytes
+    assert ids <= stored < table
