@@ -11,7 +11,11 @@ from autopar.cost.config import ParallelConfig
 def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
     """Why the runtime cannot run ``config`` (for a mixture-of-experts model when ``moe``),
     or None when it can. Plans priced for another engine (megatron, deepspeed) are exported,
-    not run, so only autopar's own engine is restricted."""
+    not run: they are restricted only to what that engine offers."""
+    if config.engine == "megatron" and config.zero_stage >= 2:
+        return "ZeRO-2/3 on Megatron-LM (its distributed optimizer shards optimizer states only)"
+    if config.engine == "megatron" and config.offload:
+        return "offload on Megatron-LM"
     if config.engine != "autopar":
         return None
     tp, pp, ep = config.tp, config.pp, config.ep
