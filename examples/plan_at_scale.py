@@ -29,11 +29,12 @@ def main() -> None:
     args = ap.parse_args()
     graph = autopar.capture("gpt3-175b", seq=2048)
     kwargs = dict(devices=args.devices, cluster="a100-80g", global_batch=args.global_batch)
+    pp = 12 if (args.devices // 8) % 12 == 0 else 8  # SC21's 175B runs used tp 8 x pp 12
     plans = {
         "free plan": autopar.plan(graph, **kwargs),
         "ZeRO-3 only": autopar.plan(graph, constraints="zero3-only", **kwargs),
-        "tp 8 x pp 12, interleaved": autopar.plan(
-            graph, constraints={"tp": 8, "pp": 12, "schedule": "interleaved"}, **kwargs),
+        f"tp 8 x pp {pp}, interleaved": autopar.plan(
+            graph, constraints={"tp": 8, "pp": pp, "schedule": "interleaved"}, **kwargs),
     }
     print(f"{'plan':<26} {'layout':<44} {'step s':>7} {'TFLOP/s/GPU':>11} "
           f"{'comm 1.5x':>9} {'overlap/2':>9}")

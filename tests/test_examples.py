@@ -53,3 +53,12 @@ def test_train_mixtral_ep_cpu_example(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ep=2" in result.stdout and result.stdout.count("one process") == 4
     assert len((out / "logs" / "train.jsonl").read_text().splitlines()) == 4
+
+
+def test_plan_at_scale_example() -> None:
+    out = run("plan_at_scale.py", "--devices", "256", "--global-batch", "256")
+    rows = [ln for ln in out.splitlines() if ln.startswith(("free plan", "ZeRO-3 only", "tp 8"))]
+    assert len(rows) == 3
+    free, *others = (float(r.split()[-4]) for r in [rows[0]] + rows[1:])  # step s column
+    assert all(free <= o * 1.03 for o in others)  # the robust choice is within 3% of the best
+    assert "chosen among" in out and "compute" in out

@@ -28,7 +28,7 @@ from autopar.cost.memory import (
 )
 from autopar.cost.pipeline import pipeline_step_time
 from autopar.cost.precision import Precision, default_precision
-from autopar.cost.tp_layout import attention_core, tp_layout
+from autopar.cost.tp_layout import attention_core, tp_layout, vocab_parallel
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 
 # Block costs depend on the block's type and a few knobs only; a search asks for the same ones
@@ -180,7 +180,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             divisor = float(tp)
         else:
             divisor = 1.0
-        if name in layout.column or name in layout.row or (op.kind is OpKind.EMBEDDING and tp > 1):
+        if name in layout.column or name in layout.row or vocab_parallel(graph, name, tp):
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t

@@ -67,6 +67,16 @@ def megatron_layout(graph: Graph, block: Block) -> TPLayout:
     return layout
 
 
+def vocab_parallel(graph: Graph, op_name: str, tp: int) -> bool:
+    """Whether an embedding lookup splits its table over ``tp`` ranks (vocabulary parallel):
+    only when the rows divide evenly; otherwise it stays replicated."""
+    op = graph.op(op_name)
+    if op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params:
+        return False
+    shape = graph.params[op.params[0]].shape if op.params[0] in graph.params else ()
+    return bool(shape) and shape[0] % tp == 0
+
+
 def attention_core(graph: Graph, block: Block) -> set[str]:
     """Ops from each attention module's first attention op (score matmul or fused SDPA) to its
     last (value matmul): what selective recompute recomputes."""

@@ -9,7 +9,7 @@ from torch import nn
 from autopar.cost.config import ENGINES, ParallelConfig
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.precision import default_precision
-from autopar.cost.tp_layout import tp_layout
+from autopar.cost.tp_layout import tp_layout, vocab_parallel
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph, OpKind
 from autopar.plan.plan import Plan, round6
@@ -134,7 +134,7 @@ def _placements(graph: Graph, config: ParallelConfig) -> dict:
                 where = "Shard(0)@tp"  # output features split: column parallel
             elif name in layout.row and config.tp > 1:
                 where = "Shard(1)@tp"  # input features split: row parallel
-            elif op.kind is OpKind.EMBEDDING and config.tp > 1:
+            elif vocab_parallel(graph, name, config.tp):
                 where = "Shard(0)@tp"  # vocabulary split
             else:
                 where = "Replicate"

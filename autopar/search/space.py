@@ -52,7 +52,9 @@ def model_facts(graph: Graph) -> ModelFacts:
                 shape = graph.params[p].shape if p in graph.params else ()
                 if len(shape) == 3:
                     experts = max(experts, shape[0])
-    for block in graph.blocks:
+    # the repeated layers must split evenly; an embedding or output head whose vocabulary
+    # does not divide stays replicated instead (the sharding solver only splits what divides)
+    for block in graph.layer_blocks or graph.blocks:
         layout = megatron_layout(graph, block)
         for name in layout.column:
             dims.add(graph.op(name).output_meta[0].shape[-1])
