@@ -19,7 +19,7 @@ from autopar.ir.graph import Graph
 from autopar.plan.plan import Predicted, round6
 from autopar.search.recompute import MODES
 from autopar.search.sharding import STRATEGY_NAMES, node_options
-from autopar.search.space import ModelFacts, divisors
+from autopar.search.space import ModelFacts, divisors, tp_tiles_nodes
 
 
 def _rounded(d: dict[str, float]) -> dict[str, float]:
@@ -146,6 +146,9 @@ def _exclusion(facts: ModelFacts, tp: int, pp: int, dp: int, ep: int, global_bat
         return "divisibility", f"pp={pp} exceeds the {facts.blocks} blocks"
     if global_batch % (dp * ep):
         return "batch", f"dp*ep={dp * ep} does not divide the global batch {global_batch}"
+    if not tp_tiles_nodes(tp, devices_per_node):
+        return "topology", (f"tp={tp} groups would straddle nodes of {devices_per_node} "
+                            f"devices")
     if tp > devices_per_node and not cross_node:
         return "topology", (f"tp={tp} spans nodes of {devices_per_node} devices (tried only "
                             f"when nothing fits inside a node)")

@@ -76,6 +76,14 @@ def model_facts(graph: Graph) -> ModelFacts:
     )
 
 
+def tp_tiles_nodes(tp: int, devices_per_node: int) -> bool:
+    """Tensor-parallel groups either fit whole in a node (tp divides the node size) or are
+    made of whole nodes: tp = 3 on 8-GPU nodes would split a group across two nodes."""
+    if tp <= devices_per_node:
+        return devices_per_node % tp == 0
+    return tp % devices_per_node == 0
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -97,6 +105,8 @@ def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per
     out = []
     for tp in divisors(devices):
         if not facts.tp_ok(tp) or (tp > devices_per_node and not allow_cross_node_tp):
+            continue
+        if not tp_tiles_nodes(tp, devices_per_node):
             continue
         for pp in divisors(devices // tp):
             if pp > facts.blocks:

@@ -49,7 +49,9 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
     for tp, pp, ep in itertools.product(_divisors(devices), repeat=3):
         if devices % (tp * pp * ep) or pp > nblocks or not facts.tp_ok(tp):
             continue
-        if tp > cluster.devices_per_node or (ep > 1 and not facts.ep_ok(ep)):
+        if tp > cluster.devices_per_node or cluster.devices_per_node % tp:
+            continue  # tensor-parallel groups stay whole inside a node
+        if ep > 1 and not facts.ep_ok(ep):
             continue
         dp = devices // (tp * pp * ep)
         if global_batch % (dp * ep):

@@ -159,3 +159,17 @@ def test_expert_weights_are_placed_on_the_expert_axis() -> None:
     experts = [p for p in params if ".experts." in p]
     assert experts and all(params[p] == "Shard(0)@ep+Shard(0)@dp" for p in experts)
     assert params["model.layers.0.self_attn.q_proj.weight"] == "Shard(0)@dp"
+
+
+def test_tensor_parallel_groups_never_straddle_nodes() -> None:
+    """GPT-2 has 12 heads: tp = 3, 6 or 12 divide them, but on 8-GPU nodes a group of 3 or 6
+    would span two nodes (and one of 12 would not be whole nodes)."""
+    from autopar.search.space import legal_meshes, model_facts
+
+    graph = autopar.capture("gpt2", seq=1024)
+    facts = model_facts(graph)
+    assert facts.tp_ok(3) and facts.tp_ok(6)
+    meshes = legal_meshes(facts, 48, 48, 8, {}, allow_cross_node_tp=True)
+    assert {m.tp for m in meshes} <= {1, 2, 4}
+    assert {m.tp for m in legal_meshes(facts, 48, 48, 6, {}, allow_cross_node_tp=True)} \
+        >= {3, 6}
