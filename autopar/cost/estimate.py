@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from autopar.cost.activations import block_activation_bytes, storage_root
-from autopar.cost.comm import axis_collective_time, p2p_time
-from autopar.cost.compute import op_time
+from autopar.cost.block_cost import (
+    BlockCost,
+    cached_block_cost,
+    cached_block_traffic,
+    captured_batch,
+    captured_float_bytes,
+    graph_memo,
+    resolve_precision,
+)
+from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import (
     DDP_BUCKET_BYTES,
     BlockTraffic,
     backward_with_collectives,
-    block_traffic,
     forward_with_gathers,
     step_sync,
     step_sync_exposed,
@@ -27,31 +32,8 @@ from autopar.cost.memory import (
     optimizer_step_time,
 )
 from autopar.cost.pipeline import pipeline_step_time
-from autopar.cost.precision import Precision, default_precision
-from autopar.cost.tp_layout import attention_core, tp_layout, vocab_parallel
-from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
-
-# Block costs depend on the block's type and a few knobs only; a search asks for the same ones
-# thousands of times. Keyed weakly by graph so a dropped graph frees its entries.
-_BLOCK_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class BlockCost:
-    """One block, one micro-batch, one device."""
-
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float
-    tp_comm_s: float
-    ep_comm_s: float
-    activation_bytes: float
-    recompute_peak_bytes: float
-    kv_cache_bytes: float
-    dense_params: float  # elements on this device
-    expert_params: float
-    output_bytes: float  # what a stage boundary after this block sends
-    param_tensors: int = 0  # parameter tensors (one all-gather each under DeepSpeed's ZeRO-3)
+from autopar.cost.precision import Precision
+from autopar.ir.graph import Graph
 
 
 @dataclass
@@ -98,32 +80,10 @@ class Estimate:
                 and self.host_bytes_per_node <= host_capacity_bytes)
 
 
-def captured_batch(graph: Graph) -> int:
-    """The batch size the graph was captured with (its first input's leading dimension)."""
-    for inp in graph.inputs:
-        if inp.meta.shape:
-            return inp.meta.shape[0]
-    return 1
-
-
-def _captured_float_bytes(graph: Graph) -> int:
-    for p in graph.params.values():
-        if p.dtype.startswith(("float", "bfloat")):
-            return dtype_bytes(p.dtype)
-    return 4
-
-
-def resolve_precision(config: ParallelConfig, cluster: Cluster) -> ParallelConfig:
-    """``config`` with its precision made explicit (the device's default where unset)."""
-    if config.precision is not None:
-        return config
-    return replace(config, precision=default_precision(cluster.device))  # type: ignore[arg-type]
-
-
 def balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
     """Contiguous split of the blocks into ``pp`` stages minimising the largest stage's FLOPs."""
     key = ("balanced", pp)
-    memo = _BLOCK_COSTS.setdefault(graph, {})
+    memo = graph_memo(graph)
     if key not in memo:
         memo[key] = _balanced_stages(graph, pp)
     return memo[key]
@@ -153,119 +113,6 @@ def _balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
         bounds.append((i, j))
         j = i
     return tuple(reversed(bounds))
-
-
-def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Cluster,
-               recompute: str) -> BlockCost:
-    """Compute, tensor/expert-parallel communication and memory of one block, one micro-batch,
-    one device. ``config`` must carry its precision (see :func:`resolve_precision`)."""
-    device = cluster.device
-    precision = config.precision
-    assert precision is not None, "resolve the precision first"
-    tp, sp = config.tp, config.sequence_parallel and config.tp > 1
-    flop_scale = config.microbatch_size / captured_batch(graph)
-    byte_scale = flop_scale * precision.activation_bytes / _captured_float_bytes(graph)
-    layout = tp_layout(graph, block, config.tp_layouts)
-    fwd = 0.0
-    core_s = 0.0
-    core = attention_core(graph, block) if recompute == "selective" else set()
-    expert_param_names: set[str] = set()
-    tp_param_names: set[str] = set()
-    for name in block.nodes:
-        op = graph.op(name)
-        if op.kind is OpKind.MOE_EXPERT:
-            divisor = 1.0  # ep moves tokens to experts; per-device expert work is unchanged
-            expert_param_names.update(op.params)
-        elif name in layout.column or name in layout.row or name in layout.sharded or sp:
-            divisor = float(tp)
-        else:
-            divisor = 1.0
-        if name in layout.column or name in layout.row or vocab_parallel(graph, name, tp):
-            tp_param_names.update(op.params)
-        t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
-        fwd += t
-        if name in core:
-            core_s += t
-    bwd = 2 * fwd
-    recompute_s = fwd if recompute == "full" else core_s
-    # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
-    # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
-    tp_comm = 0.0
-    if tp > 1:
-        kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-        fwd_bytes = [graph.op(n).output_bytes * byte_scale for n in layout.row]
-        col_inputs = {graph.op(n).inputs[0]: graph.op(n).input_meta[0].nbytes
-                      for n in layout.column if graph.op(n).inputs}
-        bwd_bytes = [b * byte_scale for b in col_inputs.values()]
-        per = [sum(axis_collective_time(k, b, config, "tp", cluster) for k in kinds)
-               for b in fwd_bytes + bwd_bytes]
-        tp_comm = sum(per)
-        if recompute == "full":
-            tp_comm += sum(per[: len(fwd_bytes)])
-    ep_comm = 0.0
-    if config.ep > 1:
-        dispatch = [graph.op(n) for n in block.nodes
-                    if graph.op(n).kind is OpKind.MOE_EXPERT and "grouped_mm" in graph.op(n).target]
-        if dispatch:
-            nbytes = dispatch[0].input_meta[0].nbytes * byte_scale
-            ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
-    acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
-                                  scale=byte_scale, layouts=config.tp_layouts)
-    kv = 0.0
-    for name in block.nodes:
-        op = graph.op(name)
-        if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3 and "scaled_dot" in op.target:
-            # the cache holds k and v before grouped-query heads are repeated
-            for i in (1, 2):
-                root = storage_root(graph, op.inputs[i])
-                src = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
-                kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / tp
-    dense = expert = 0.0
-    for p in block.params:
-        numel = graph.params[p].numel if p in graph.params else 0
-        if p in expert_param_names:
-            expert += numel / config.ep
-        elif p in tp_param_names:
-            dense += numel / tp
-        else:
-            dense += numel
-    out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
-    return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
-                     acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params))
-
-
-def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
-                      recompute: str) -> BlockCost:
-    """:func:`block_cost`, computed once per block type and the knobs it depends on."""
-    config = resolve_precision(config, cluster)
-    block = graph.blocks[index]
-    layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
-    key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.microbatch_size, config.precision, cluster.cache_key, layout)
-    by_type = _BLOCK_COSTS.setdefault(graph, {})
-    if key not in by_type:
-        by_type[key] = block_cost(graph, block, config, cluster, recompute)
-    return by_type[key]
-
-
-def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
-                         cluster: Cluster) -> BlockTraffic:
-    """:func:`autopar.cost.data_parallel.block_traffic` of one block, once per block type and
-    the knobs it depends on."""
-    config = resolve_precision(config, cluster)
-    precision = config.precision
-    assert precision is not None
-    block = graph.blocks[index]
-    c = cached_block_cost(graph, index, config, cluster, "none")
-    layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
-    key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.engine,
-           precision, config.trainable_fraction, cluster.cache_key, layout)
-    by_type = _BLOCK_COSTS.setdefault(graph, {})
-    if key not in by_type:
-        by_type[key] = block_traffic(c.dense_params, c.expert_params, c.param_tensors, config,
-                                     cluster, precision.param_bytes, precision.grad_bytes,
-                                     config.trainable_fraction)
-    return by_type[key]
 
 
 def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, stage: int,
@@ -335,7 +182,7 @@ def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stag
     if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
         out = sum(graph.op(n).output_bytes for n in graph.outputs if graph.has_op(n))
         mem.buffers += 2 * out * config.microbatch_size / captured_batch(graph) * (
-            4 / _captured_float_bytes(graph)) / config.tp
+            4 / captured_float_bytes(graph)) / config.tp
     return costs, mem, host_bytes, offload_s
 
 
@@ -453,7 +300,5 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
     return combine_stages(graph, cluster, config, stage_costs, train)
 
 
-__all__ = ["BlockCost", "Estimate", "StageCost", "balanced_stages", "block_cost",
-           "cached_block_cost", "cached_block_traffic", "captured_batch", "combine_stages", "estimate",
-           "p2p_hidden_share", "resolve_precision", "stage_cost", "stage_footprint",
-           "stage_memory"]
+__all__ = ["Estimate", "StageCost", "balanced_stages", "combine_stages", "estimate",
+           "p2p_hidden_share", "stage_cost", "stage_footprint", "stage_memory"]

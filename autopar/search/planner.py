@@ -19,31 +19,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
-from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig, TPLayouts
-from autopar.cost.data_parallel import overlapped, step_sync, step_sync_exposed
-from autopar.cost.estimate import (
-    Estimate,
-    cached_block_cost,
-    cached_block_traffic,
-    estimate,
-    p2p_hidden_share,
-)
+from autopar.cost.estimate import Estimate, estimate
 from autopar.cost.hardware import Cluster
-from autopar.cost.memory import (
-    MemoryBreakdown,
-    inflight_microbatches,
-    model_state_bytes,
-    offload_transfer,
-    optimizer_step_time,
-)
-from autopar.cost.pipeline import fill_drain_factor
 from autopar.errors import InfeasibleError
 from autopar.ir.graph import Graph
+from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
 from autopar.search.infeasible import infeasible_message
-from autopar.search.recompute import MODES
+from autopar.search.robust import ROBUST_MARGIN, robust_choice
 from autopar.search.space import (
     OFFLOAD_CHOICES,
     SCHEDULES_PP,
@@ -84,251 +68,6 @@ class SearchResult:
 
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # model chunks per device the interleaved schedule tries
-ROBUST_MARGIN = 0.03  # plans this close to the fastest compete on sensitivity
-COMM_SLOWER = 1.5  # the sensitivity checks: every collective 1.5x slower ...
-OVERLAP_SCALE = 0.5  # ... or half of the overlap
-
-
-def sensitivity(graph: Graph, cluster: Cluster, config: ParallelConfig, task: str
-                ) -> dict[str, float]:
-    """Step seconds of a plan if communication were 1.5x slower and if overlap were halved."""
-    slow = estimate(graph, cluster.perturbed(comm_slower=COMM_SLOWER), config, task)
-    half = estimate(graph, cluster.perturbed(overlap_scale=OVERLAP_SCALE), config, task)
-    return {"comm_1.5x_s": slow.step_time_s, "overlap_half_s": half.step_time_s}
-
-
-def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
-                           config: ParallelConfig, train: bool, capacity: float,
-                           pinned: str | tuple[str, ...] | None) -> float:
-    """Recompute seconds per micro-batch, summed over all blocks, that any plan of this
-    candidate needs to fit ``capacity``.
-
-    Stage s holds at least its states plus its stored activations times the micro-batches it
-    keeps; summed over stages that caps the activations all stages can store, and the rest of
-    what no recompute would store must be shed. Every block type offers none -> selective ->
-    full steps (bytes saved, seconds spent); the lower convex hull of those steps, filled
-    greedily (the LP relaxation of the per-block choice), costs no more than any real choice.
-    """
-    if not train:
-        return 0.0
-    if isinstance(pinned, tuple):
-        return sum(cached_block_cost(graph, i, config, cluster, mode).recompute_s
-                   for i, mode in enumerate(pinned))
-    if pinned is not None:
-        return sum(len(blocks) * cached_block_cost(graph, blocks[0].index, config, cluster,
-                                                   pinned).recompute_s
-                   for blocks in graph.block_types().values())
-    floor = _states_floor(graph, facts, config, train)
-    if "optimizer" in config.offload:
-        floor.optimizer = 0.0
-    if "params" in config.offload:
-        floor.params = 0.0
-    held = [inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
-                                  config.virtual_stages) for s in range(config.pp)]
-    if "activations" in config.offload:
-        held = [min(h, 1.0) for h in held]
-    types = [(blocks[0].index, len(blocks)) for blocks in graph.block_types().values()]
-    stored = {mode: [cached_block_cost(graph, i, config, cluster, mode) for i, _ in types]
-              for mode in MODES}
-    acts = sum(c.activation_bytes * count for c, (_, count) in zip(stored["none"], types,
-                                                                    strict=True))
-    # stage s keeps held_s micro-batches: its activations are at most (capacity - its states)
-    # / held_s; summed over stages, with the states (pp x the floor) placed where they cost
-    # the least room, the stages keep at most capacity x sum(1 / held_s) - pp x floor / max(held)
-    states = floor.params + floor.grads + floor.optimizer
-    room = capacity * sum(1.0 / h for h in held) - config.pp * states / max(held)
-    need = acts - room
-    if need <= 0:
-        return 0.0
-    steps: list[tuple[float, float]] = []  # (seconds per byte, bytes) of every hull step
-    for t, (_, count) in enumerate(types):
-        points = [(0.0, 0.0)] + [
-            (stored["none"][t].activation_bytes - stored[mode][t].activation_bytes,
-             stored[mode][t].recompute_s) for mode in ("selective", "full")]
-        hull = [(0.0, 0.0)]
-        for saved, seconds in sorted(points[1:]):
-            if saved <= hull[-1][0]:
-                continue
-            while len(hull) >= 2:
-                (a0, t0), (a1, t1) = hull[-2], hull[-1]
-                if (t1 - t0) * (saved - a0) >= (seconds - t0) * (a1 - a0):
-                    hull.pop()  # not on the lower hull
-                else:
-                    break
-            hull.append((saved, seconds))
-        for (a0, t0), (a1, t1) in zip(hull, hull[1:], strict=False):
-            steps.append(((t1 - t0) / (a1 - a0), (a1 - a0) * count))
-    seconds = 0.0
-    for rate, nbytes in sorted(steps):
-        take = min(nbytes, need)
-        seconds += rate * take
-        need -= take
-        if need <= 0:
-            break
-    return seconds
-
-
-def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
-                 schedule: str = "1f1b", virtual_stages: int = 1,
-                 recompute_s: float = 0.0) -> float:
-    """No step can be faster: the work of one micro-batch, W, split evenly over p stages, run
-    m times, plus the schedule's fill and drain on the even split, (p - 1) W / p x phi
-    (:func:`autopar.cost.pipeline.fill_drain_factor`); ``recompute_s`` is a lower bound on the
-    recompute memory forces (:func:`_recompute_lower_bound`). With stage times t_i summing to at
-    least W the step is at least m max(t) + (sum(t) - max(t)) phi, smallest at max(t) = W / p;
-    collectives and recompute only add to it. Per-micro-batch sharded-data-parallel
-    collectives beside a pass cost at least ``overlapped(pass compute, collectives)``: the
-    overlap formula is homogeneous and concave in the collectives, so the sum over blocks and
-    stages is at least the formula on the sums."""
-    weight_grad = 0.0
-    compute_f = compute_b = gather = reduce = 0.0
-    replicated = train and config.dp * config.ep > 1
-    zero3 = replicated and config.zero_stage == 3
-    reduces = zero3 or (replicated and config.zero_stage == 2 and config.engine == "autopar")
-    per_type: dict[int, float] = {}
-    smallest_send = float("inf")
-    for blocks in graph.block_types().values():
-        i, count = blocks[0].index, len(blocks)
-        c = cached_block_cost(graph, i, config, cluster, "none")
-        # what a block puts on its stage's compute lane (as the estimate's stage_cost does)
-        per_type[blocks[0].type_id] = c.fwd_s + c.tp_comm_s + (
-            c.bwd_s + c.ep_comm_s if train else c.ep_comm_s / 2)
-        smallest_send = min(smallest_send, c.output_bytes)
-        weight_grad += count * c.bwd_s / 2 if train else 0.0
-        compute_f += count * (c.fwd_s + (c.tp_comm_s / 2 if train else c.tp_comm_s)
-                              + c.ep_comm_s / 2)
-        if train:
-            compute_b += count * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
-        if reduces:
-            traffic = cached_block_traffic(graph, i, config, cluster)
-            gather += count * traffic.gather_s if zero3 else 0.0
-            reduce += count * traffic.reduce_s
-    overlap = cluster.device.overlap
-    total = overlapped(compute_f, gather, overlap)
-    if train:
-        total += overlapped(compute_b + recompute_s, gather + reduce, overlap)
-    p, m = config.pp, config.num_microbatches
-    phi = fill_drain_factor(schedule, virtual_stages, total, weight_grad,
-                            config.num_microbatches, config.pp)
-    if p == 1:
-        return m * total
-    # the slowest stage is at least the average, and at least the best any contiguous split
-    # of the blocks' own times achieves
-    times = tuple(per_type[b.type_id] for b in graph.blocks)
-    bottleneck = max(total / p, _min_max_split(times, p))
-    chunks = virtual_stages if schedule == "interleaved" else 1
-    send = p2p_time(smallest_send, config, cluster)
-    hidden = p2p_hidden_share(config, cluster)
-    sends = 2 * (p * chunks - 1) * send + 2 * chunks * m * send * (
-        (1 - hidden) + hidden * cluster.device.overlap.compute_slowdown)
-    return m * bottleneck + phi * (total - bottleneck) + sends
-
-
-@lru_cache(maxsize=4096)
-def _min_max_split(times: tuple[float, ...], parts: int) -> float:
-    """A lower bound (within 1e-9) on the slowest part of the best split of ``times`` into at
-    most ``parts`` contiguous parts: bisection on the greedy packing test."""
-    lo, hi = max(times), sum(times)
-    if parts <= 1 or lo >= hi:
-        return hi if parts <= 1 else lo
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        count, run = 1, 0.0
-        for t in times:
-            if run + t > mid:
-                count, run = count + 1, t
-            else:
-                run += t
-        if count <= parts:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    return lo
-
-
-def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train: bool
-                  ) -> MemoryBreakdown:
-    """Parameter, gradient and optimizer bytes that some device holds at least: the model states
-    split as evenly as the mesh allows, before offload (the cost model's ZeRO formula)."""
-    precision = config.precision
-    assert precision is not None
-    dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
-    experts = facts.expert_params / (config.ep * config.pp)
-    out = MemoryBreakdown()
-    for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
-        if train:
-            states = model_state_bytes(numel, replicas, config.zero_stage, precision.param_bytes,
-                                       precision.grad_bytes, precision.optimizer_bytes,
-                                       config.trainable_fraction)
-        else:
-            states = MemoryBreakdown(params=numel * precision.param_bytes)
-        out.params += states.params
-        out.grads += states.grads
-        out.optimizer += states.optimizer
-    return out
-
-
-def candidate_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
-                          config: ParallelConfig, task: str, capacity: float,
-                          pinned_recompute: str | tuple[str, ...] | None = None) -> float:
-    """No plan of this candidate (any stage partition, any per-block recompute that fits
-    ``capacity``) has a shorter step: the pipelined work with the least recompute memory
-    forces, plus the optimizer update and offload streams of the least any device holds.
-    ``config`` must carry its precision."""
-    train = task != "infer"
-    recompute = _recompute_lower_bound(graph, facts, cluster, config, train, capacity,
-                                       pinned_recompute)
-    return (_lower_bound(graph, cluster, config, train, config.schedule, config.virtual_stages,
-                         recompute)
-            + _update_time_lower_bound(graph, facts, cluster, config, train))
-
-
-def memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
-                       config: ParallelConfig, train: bool) -> float:
-    """No device of this candidate needs less: the states floor (less what is offloaded) plus a
-    1/pp share of the activations every block keeps even under full recompute."""
-    floor = _states_floor(graph, facts, config, train)
-    if "optimizer" in config.offload:
-        floor.optimizer = 0.0
-    if "params" in config.offload:
-        floor.params = 0.0
-    total = floor.params + floor.grads + floor.optimizer
-    if train:
-        lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes
-                   for i in range(len(graph.blocks)))
-        total += lean / config.pp
-    return total
-
-
-def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
-                             config: ParallelConfig, train: bool) -> float:
-    """The optimizer update, the optimizer/parameter offload streams and the once-per-step
-    data-parallel collectives of the least any device holds (the cost model's own functions
-    on the states floor)."""
-    if not train:
-        return 0.0
-    floor = _states_floor(graph, facts, config, train)
-    _, offload_s = offload_transfer(config, floor, [], config.num_microbatches, cluster,
-                                    train, 1.0)
-    seconds = offload_s + optimizer_step_time(floor, cluster.device, config.precision)
-    replicated = config.dp * config.ep > 1
-    per_block = config.zero_stage == 3 or (config.zero_stage == 2 and config.engine == "autopar")
-    if replicated and not per_block:
-        # the once-per-step gradient reduction of the stage holding the average share of the
-        # parameters, beside the whole model's backward: no stage's is shorter
-        precision = config.precision
-        dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
-        experts = facts.expert_params / (config.ep * config.pp)
-        sync = step_sync(dense, experts, config, cluster, precision.param_bytes,
-                         precision.grad_bytes, config.trainable_fraction)
-        window = 0.0
-        for blocks in graph.block_types().values():
-            c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")
-            window += len(blocks) * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
-        seconds += step_sync_exposed(sync, window, cluster.device.overlap)
-    return seconds
 
 
 def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
@@ -476,7 +215,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             bound = best[1].step_time_s if best is not None else float("inf")
         if best is not None:
             found.sort(key=lambda f: (f[0], f[1]))
-            chosen_plan, robust = _robust_choice(graph, cluster, task, found, best)
+            chosen_plan, robust = robust_choice(graph, cluster, task, found, best)
             alternatives = _distinct_alternatives(found, chosen_plan[0], keep)
             gap = max(0.0, (best[1].step_time_s - bound) / best[1].step_time_s)
             result = SearchResult(chosen_plan[0], chosen_plan[1], alternatives,
@@ -492,30 +231,6 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
     if progress:
         progress(1.0, "done")
     return result
-
-
-def _robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
-                   best: tuple[ParallelConfig, Estimate]
-                   ) -> tuple[tuple[ParallelConfig, Estimate], dict]:
-    """Among the plans within ROBUST_MARGIN of the fastest, the one whose worse step time under
-    1.5x slower communication or halved overlap is smallest (then the faster one)."""
-    limit = best[1].step_time_s * (1 + ROBUST_MARGIN)
-    near = [f for f in found if f[0] <= limit]
-    scored = []
-    for step, tie, config, est in near:
-        checks = sensitivity(graph, cluster, config, task)
-        scored.append((max(checks.values()), step, tie, config, est, checks))
-    scored.sort(key=lambda r: (r[0], r[1], r[2]))
-    worst, step, _, config, est, checks = scored[0]
-    fastest_checks = next(r[5] for r in scored if r[3] is best[0])
-    robust = {
-        "margin": ROBUST_MARGIN, "candidates": len(near),
-        "fastest_step_time_s": best[1].step_time_s,
-        "fastest_worst_case_s": max(fastest_checks.values()),
-        "chosen_worst_case_s": worst, "checks": checks,
-        "changed": config is not best[0],
-    }
-    return (config, est), robust
 
 
 def _distinct_alternatives(found: list, best: ParallelConfig, keep: int

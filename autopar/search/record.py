@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from autopar.cost.block_cost import cached_block_cost
 from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig, TPLayouts
-from autopar.cost.estimate import Estimate, cached_block_cost, p2p_hidden_share
+from autopar.cost.estimate import Estimate, p2p_hidden_share
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tp_layout
 from autopar.ir.graph import Graph
 from autopar.plan.plan import Predicted, round6
 from autopar.search.recompute import MODES
+from autopar.search.robust import sensitivity
 from autopar.search.sharding import STRATEGY_NAMES, node_options
 from autopar.search.space import ModelFacts, divisors, tp_tiles_nodes
 
@@ -69,8 +71,6 @@ def predicted(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     """The cost model's prediction, with per-stage time (incl. idle) and memory by kind, and
     the step under the robustness checks (computed here when not given)."""
     if checks is None:
-        from autopar.search.planner import sensitivity
-
         checks = sensitivity(graph, cluster, config, task)
     m = config.num_microbatches
     pipeline = m * max(s.fwd_s + s.bwd_s for s in est.stages) + est.bubble_s
@@ -111,7 +111,6 @@ def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
               best: Estimate, task: str) -> dict:
     """One runner-up plan: its choice, how much slower and larger than the chosen one, and its
     step under the robustness checks (a faster runner-up lost on those)."""
-    from autopar.search.planner import sensitivity
     if isinstance(config.recompute, str):
         per_block = [config.recompute] * len(graph.blocks)
     else:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, replace
 
+from autopar.cost.block_cost import cached_block_cost
 from autopar.cost.config import ParallelConfig
 from autopar.cost.estimate import (
     Estimate,
     StageCost,
     balanced_stages,
-    cached_block_cost,
     combine_stages,
     stage_cost,
     stage_footprint,

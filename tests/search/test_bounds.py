@@ -10,10 +10,10 @@ import pytest
 
 import autopar
 from autopar.cost import ParallelConfig, estimate, load_cluster
+from autopar.cost.block_cost import resolve_precision
 from autopar.cost.config import ENGINES, SCHEDULES
-from autopar.cost.estimate import resolve_precision
 from autopar.cost.precision import FP32, Precision
-from autopar.search.planner import candidate_lower_bound, memory_lower_bound
+from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
 from autopar.search.space import OFFLOAD_CHOICES, divisors, model_facts
 
 CLUSTERS = ["a100-80g", "h100-80g", "v100-16g", "cpu"]

@@ -21,7 +21,8 @@ import autopar
 from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.precision import default_precision
 from autopar.models import GPT, GPTConfig, build_model, load_config, token_inputs
-from autopar.search.planner import ROBUST_MARGIN, VIRTUAL_STAGES
+from autopar.search.planner import VIRTUAL_STAGES
+from autopar.search.robust import ROBUST_MARGIN
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import OFFLOAD_CHOICES, model_facts
 from autopar.search.support import unsupported

@@ -1,0 +1,260 @@
+"""Lower bounds on a candidate's step time and memory, built from the cost model's own
+functions so that none can exceed what the estimate says (tests/search/test_bounds.py checks
+1,200 random configurations). The planner orders candidates by them and stops when the next one
+cannot beat the best plan found."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from autopar.cost.block_cost import cached_block_cost, cached_block_traffic
+from autopar.cost.comm import p2p_time
+from autopar.cost.config import ParallelConfig
+from autopar.cost.data_parallel import overlapped, step_sync, step_sync_exposed
+from autopar.cost.estimate import p2p_hidden_share
+from autopar.cost.hardware import Cluster
+from autopar.cost.memory import (
+    MemoryBreakdown,
+    inflight_microbatches,
+    model_state_bytes,
+    offload_transfer,
+    optimizer_step_time,
+)
+from autopar.cost.pipeline import fill_drain_factor
+from autopar.ir.graph import Graph
+from autopar.search.recompute import MODES
+from autopar.search.space import ModelFacts
+
+
+def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                           config: ParallelConfig, train: bool, capacity: float,
+                           pinned: str | tuple[str, ...] | None) -> float:
+    """Recompute seconds per micro-batch, summed over all blocks, that any plan of this
+    candidate needs to fit ``capacity``.
+
+    Stage s holds at least its states plus its stored activations times the micro-batches it
+    keeps; summed over stages that caps the activations all stages can store, and the rest of
+    what no recompute would store must be shed. Every block type offers none -> selective ->
+    full steps (bytes saved, seconds spent); the lower convex hull of those steps, filled
+    greedily (the LP relaxation of the per-block choice), costs no more than any real choice.
+    """
+    if not train:
+        return 0.0
+    if isinstance(pinned, tuple):
+        return sum(cached_block_cost(graph, i, config, cluster, mode).recompute_s
+                   for i, mode in enumerate(pinned))
+    if pinned is not None:
+        return sum(len(blocks) * cached_block_cost(graph, blocks[0].index, config, cluster,
+                                                   pinned).recompute_s
+                   for blocks in graph.block_types().values())
+    floor = _states_floor(graph, facts, config, train)
+    if "optimizer" in config.offload:
+        floor.optimizer = 0.0
+    if "params" in config.offload:
+        floor.params = 0.0
+    held = [inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
+                                  config.virtual_stages) for s in range(config.pp)]
+    if "activations" in config.offload:
+        held = [min(h, 1.0) for h in held]
+    types = [(blocks[0].index, len(blocks)) for blocks in graph.block_types().values()]
+    stored = {mode: [cached_block_cost(graph, i, config, cluster, mode) for i, _ in types]
+              for mode in MODES}
+    acts = sum(c.activation_bytes * count for c, (_, count) in zip(stored["none"], types,
+                                                                    strict=True))
+    # stage s keeps held_s micro-batches: its activations are at most (capacity - its states)
+    # / held_s; summed over stages, with the states (pp x the floor) placed where they cost
+    # the least room, the stages keep at most capacity x sum(1 / held_s) - pp x floor / max(held)
+    states = floor.params + floor.grads + floor.optimizer
+    room = capacity * sum(1.0 / h for h in held) - config.pp * states / max(held)
+    need = acts - room
+    if need <= 0:
+        return 0.0
+    steps: list[tuple[float, float]] = []  # (seconds per byte, bytes) of every hull step
+    for t, (_, count) in enumerate(types):
+        points = [(0.0, 0.0)] + [
+            (stored["none"][t].activation_bytes - stored[mode][t].activation_bytes,
+             stored[mode][t].recompute_s) for mode in ("selective", "full")]
+        hull = [(0.0, 0.0)]
+        for saved, seconds in sorted(points[1:]):
+            if saved <= hull[-1][0]:
+                continue
+            while len(hull) >= 2:
+                (a0, t0), (a1, t1) = hull[-2], hull[-1]
+                if (t1 - t0) * (saved - a0) >= (seconds - t0) * (a1 - a0):
+                    hull.pop()  # not on the lower hull
+                else:
+                    break
+            hull.append((saved, seconds))
+        for (a0, t0), (a1, t1) in zip(hull, hull[1:], strict=False):
+            steps.append(((t1 - t0) / (a1 - a0), (a1 - a0) * count))
+    seconds = 0.0
+    for rate, nbytes in sorted(steps):
+        take = min(nbytes, need)
+        seconds += rate * take
+        need -= take
+        if need <= 0:
+            break
+    return seconds
+
+
+def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
+                 schedule: str = "1f1b", virtual_stages: int = 1,
+                 recompute_s: float = 0.0) -> float:
+    """No step can be faster: the work of one micro-batch, W, split evenly over p stages, run
+    m times, plus the schedule's fill and drain on the even split, (p - 1) W / p x phi
+    (:func:`autopar.cost.pipeline.fill_drain_factor`); ``recompute_s`` is a lower bound on the
+    recompute memory forces (:func:`_recompute_lower_bound`). With stage times t_i summing to at
+    least W the step is at least m max(t) + (sum(t) - max(t)) phi, smallest at max(t) = W / p;
+    collectives and recompute only add to it. Per-micro-batch sharded-data-parallel
+    collectives beside a pass cost at least ``overlapped(pass compute, collectives)``: the
+    overlap formula is homogeneous and concave in the collectives, so the sum over blocks and
+    stages is at least the formula on the sums."""
+    weight_grad = 0.0
+    compute_f = compute_b = gather = reduce = 0.0
+    replicated = train and config.dp * config.ep > 1
+    zero3 = replicated and config.zero_stage == 3
+    reduces = zero3 or (replicated and config.zero_stage == 2 and config.engine == "autopar")
+    per_type: dict[int, float] = {}
+    smallest_send = float("inf")
+    for blocks in graph.block_types().values():
+        i, count = blocks[0].index, len(blocks)
+        c = cached_block_cost(graph, i, config, cluster, "none")
+        # what a block puts on its stage's compute lane (as the estimate's stage_cost does)
+        per_type[blocks[0].type_id] = c.fwd_s + c.tp_comm_s + (
+            c.bwd_s + c.ep_comm_s if train else c.ep_comm_s / 2)
+        smallest_send = min(smallest_send, c.output_bytes)
+        weight_grad += count * c.bwd_s / 2 if train else 0.0
+        compute_f += count * (c.fwd_s + (c.tp_comm_s / 2 if train else c.tp_comm_s)
+                              + c.ep_comm_s / 2)
+        if train:
+            compute_b += count * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
+        if reduces:
+            traffic = cached_block_traffic(graph, i, config, cluster)
+            gather += count * traffic.gather_s if zero3 else 0.0
+            reduce += count * traffic.reduce_s
+    overlap = cluster.device.overlap
+    total = overlapped(compute_f, gather, overlap)
+    if train:
+        total += overlapped(compute_b + recompute_s, gather + reduce, overlap)
+    p, m = config.pp, config.num_microbatches
+    phi = fill_drain_factor(schedule, virtual_stages, total, weight_grad,
+                            config.num_microbatches, config.pp)
+    if p == 1:
+        return m * total
+    # the slowest stage is at least the average, and at least the best any contiguous split
+    # of the blocks' own times achieves
+    times = tuple(per_type[b.type_id] for b in graph.blocks)
+    bottleneck = max(total / p, _min_max_split(times, p))
+    chunks = virtual_stages if schedule == "interleaved" else 1
+    send = p2p_time(smallest_send, config, cluster)
+    hidden = p2p_hidden_share(config, cluster)
+    sends = 2 * (p * chunks - 1) * send + 2 * chunks * m * send * (
+        (1 - hidden) + hidden * cluster.device.overlap.compute_slowdown)
+    return m * bottleneck + phi * (total - bottleneck) + sends
+
+
+@lru_cache(maxsize=4096)
+def _min_max_split(times: tuple[float, ...], parts: int) -> float:
+    """A lower bound (within 1e-9) on the slowest part of the best split of ``times`` into at
+    most ``parts`` contiguous parts: bisection on the greedy packing test."""
+    lo, hi = max(times), sum(times)
+    if parts <= 1 or lo >= hi:
+        return hi if parts <= 1 else lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        count, run = 1, 0.0
+        for t in times:
+            if run + t > mid:
+                count, run = count + 1, t
+            else:
+                run += t
+        if count <= parts:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return lo
+
+
+def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train: bool
+                  ) -> MemoryBreakdown:
+    """Parameter, gradient and optimizer bytes that some device holds at least: the model states
+    split as evenly as the mesh allows, before offload (the cost model's ZeRO formula)."""
+    precision = config.precision
+    assert precision is not None
+    dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
+    experts = facts.expert_params / (config.ep * config.pp)
+    out = MemoryBreakdown()
+    for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
+        if train:
+            states = model_state_bytes(numel, replicas, config.zero_stage, precision.param_bytes,
+                                       precision.grad_bytes, precision.optimizer_bytes,
+                                       config.trainable_fraction)
+        else:
+            states = MemoryBreakdown(params=numel * precision.param_bytes)
+        out.params += states.params
+        out.grads += states.grads
+        out.optimizer += states.optimizer
+    return out
+
+
+def candidate_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                          config: ParallelConfig, task: str, capacity: float,
+                          pinned_recompute: str | tuple[str, ...] | None = None) -> float:
+    """No plan of this candidate (any stage partition, any per-block recompute that fits
+    ``capacity``) has a shorter step: the pipelined work with the least recompute memory
+    forces, plus the optimizer update and offload streams of the least any device holds.
+    ``config`` must carry its precision."""
+    train = task != "infer"
+    recompute = _recompute_lower_bound(graph, facts, cluster, config, train, capacity,
+                                       pinned_recompute)
+    return (_lower_bound(graph, cluster, config, train, config.schedule, config.virtual_stages,
+                         recompute)
+            + _update_time_lower_bound(graph, facts, cluster, config, train))
+
+
+def memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                       config: ParallelConfig, train: bool) -> float:
+    """No device of this candidate needs less: the states floor (less what is offloaded) plus a
+    1/pp share of the activations every block keeps even under full recompute."""
+    floor = _states_floor(graph, facts, config, train)
+    if "optimizer" in config.offload:
+        floor.optimizer = 0.0
+    if "params" in config.offload:
+        floor.params = 0.0
+    total = floor.params + floor.grads + floor.optimizer
+    if train:
+        lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes
+                   for i in range(len(graph.blocks)))
+        total += lean / config.pp
+    return total
+
+
+def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                             config: ParallelConfig, train: bool) -> float:
+    """The optimizer update, the optimizer/parameter offload streams and the once-per-step
+    data-parallel collectives of the least any device holds (the cost model's own functions
+    on the states floor)."""
+    if not train:
+        return 0.0
+    floor = _states_floor(graph, facts, config, train)
+    _, offload_s = offload_transfer(config, floor, [], config.num_microbatches, cluster,
+                                    train, 1.0)
+    seconds = offload_s + optimizer_step_time(floor, cluster.device, config.precision)
+    replicated = config.dp * config.ep > 1
+    per_block = config.zero_stage == 3 or (config.zero_stage == 2 and config.engine == "autopar")
+    if replicated and not per_block:
+        # the once-per-step gradient reduction of the stage holding the average share of the
+        # parameters, beside the whole model's backward: no stage's is shorter
+        precision = config.precision
+        dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
+        experts = facts.expert_params / (config.ep * config.pp)
+        sync = step_sync(dense, experts, config, cluster, precision.param_bytes,
+                         precision.grad_bytes, config.trainable_fraction)
+        window = 0.0
+        for blocks in graph.block_types().values():
+            c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")
+            window += len(blocks) * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
+        seconds += step_sync_exposed(sync, window, cluster.device.overlap)
+    return seconds
