@@ -148,13 +148,19 @@ def runner_up_section(d: dict) -> Section:
                      f"{a['microbatch_size']} x {a['num_microbatches']}",
                      _modes(rec),
                      fmt.offload(a["offload"]), fmt.seconds(a["step_time_s"]),
-                     fmt.pct(a["slower"], signed=True), fmt.nbytes(a["memory_total"]),
-                     fmt.pct(a["larger"], signed=True), a["lost_on"]])
+                     fmt.pct(a["slower"], signed=True),
+                     fmt.seconds(a["worst_case_s"]) if a.get("worst_case_s") else "-",
+                     fmt.nbytes(a["memory_total"]), fmt.pct(a["larger"], signed=True),
+                     a["lost_on"]])
     lines = [] if rows else ["no runner-up: the constraints or the model leave one candidate"]
+    if rows:
+        lines.append("worst case = the slower of the step with every collective 1.5x slower "
+                     "and with half the overlap")
     return Section("Why this plan: the runner-ups", rows=rows, lines=lines,
                    headers=["#", "mesh", "ZeRO", "schedule", "micro-batches", "recompute",
-                            "offload", "step", "slower", "memory", "larger", "lost on"],
-                   numeric={7, 8, 9, 10}, anchor="runner-ups")
+                            "offload", "step", "slower", "worst case", "memory", "larger",
+                            "lost on"],
+                   numeric={7, 8, 9, 10, 11}, anchor="runner-ups")
 
 
 def bounds_section(d: dict) -> Section:

@@ -160,3 +160,18 @@ def test_a_hand_edit_flags_stale_predictions(pp_plan, tmp_path) -> None:
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(data))
     assert "edited by hand?" in Plan.load(path).report()
+
+
+def test_report_prints_precision_and_the_robustness_checks(llama_plan) -> None:
+    text = llama_plan.report()
+    checks = llama_plan.predicted.sensitivity
+    assert set(checks) == {"comm_1.5x_s", "overlap_half_s"}
+    assert all(v >= llama_plan.predicted.step_time_s * (1 - 1e-6) for v in checks.values())
+    assert "Robustness" in text
+    assert fmt.seconds(checks["comm_1.5x_s"]) in text
+    assert fmt.seconds(checks["overlap_half_s"]) in text
+    prec = llama_plan.precision
+    assert (prec["param"], prec["compute"], prec["reduce"]) == ("bf16", "bf16", "fp32")
+    assert "parameters bf16, compute bf16, gradient reduction fp32" in text
+    robust = llama_plan.solver["robust"]
+    assert f"among the {robust['candidates']} plans within 3.0%" in text
