@@ -176,14 +176,14 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             # keep going while a candidate could land within the robustness margin
             if best is not None and cand.lower_bound_s >= best[1].step_time_s * (
                     1 + ROBUST_MARGIN):
-                pruned = len(cands) - k
+                pruned += len(cands) - k
                 bound = min(cand.lower_bound_s, best[1].step_time_s)
                 break
             if (time_limit_s is not None and best is not None
                     and time.perf_counter() - started > time_limit_s):
                 timed_out = True
                 bound = cand.lower_bound_s
-                pruned = len(cands) - k
+                pruned += len(cands) - k
                 break
             if progress and k % 64 == 0:
                 progress(k / max(len(cands), 1), f"{k}/{len(cands)} candidates")
@@ -196,8 +196,14 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
                     leanest = (floor, config, None)
                 continue
             evaluated += 1
-            chosen = best_partition(graph, cluster, config, capacity, host_capacity, task,
-                                    pinned_recompute)
+            # only plans within the robustness margin of the best so far can matter
+            cutoff = (best[1].step_time_s * (1 + ROBUST_MARGIN) if best is not None
+                      else float("inf"))
+            chosen, beyond_cutoff = best_partition(graph, cluster, config, capacity,
+                                                   host_capacity, task, pinned_recompute, cutoff)
+            if beyond_cutoff:  # nothing within the margin of the best: no better, pruned
+                pruned += 1
+                continue
             if chosen is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 memory_rejected.append(cand.lower_bound_s)

@@ -189,19 +189,25 @@ _TOLERANCE = 1 + 1e-9  # partitions within float noise of each other are one poi
 
 
 def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capacity: float,
-                   host_capacity: float, task: str, pinned: str | tuple[str, ...] | None = None
-                   ) -> tuple[ParallelConfig, Estimate] | None:
-    """The fastest contiguous stage partition with per-stage recompute that fits, or None.
+                   host_capacity: float, task: str, pinned: str | tuple[str, ...] | None = None,
+                   cutoff_s: float = float("inf")
+                   ) -> tuple[tuple[ParallelConfig, Estimate] | None, bool]:
+    """The fastest contiguous stage partition with per-stage recompute that fits (or None),
+    and whether ``cutoff_s`` decided that (None because nothing fits within ``cutoff_s``).
 
-    ``config`` must carry its precision; its ``stages`` and ``recompute`` are replaced.
+    ``config`` must carry its precision; its ``stages`` and ``recompute`` are replaced. With
+    ``cutoff_s`` (the search passes what a plan must beat to matter), partitions slower than
+    it are not searched: the result is exact when it is within ``cutoff_s``; otherwise it is
+    the FLOP-balanced split when that fits (an honest, costed plan, not the candidate's best),
+    else None.
     """
     planner = StagePlanner(graph, cluster, config, capacity, host_capacity, task, pinned)
     n, p, m = planner.n, config.pp, config.num_microbatches
     if p > n:
-        return None
+        return None, False
     if p == 1:
         opt = planner.option(0, n, 0)
-        return None if opt is None else planner.assemble([(0, n)], [opt])
+        return (None if opt is None else planner.assemble([(0, n)], [opt])), False
     # the FLOP-balanced split, when it fits, is the plan to beat: a partial partition whose
     # step can no longer beat it is dropped (the step is at least m x its slowest stage plus
     # phi x the others so far plus its slowest tail)
@@ -210,7 +216,9 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     opts = [planner.option(a, b, s) for s, (a, b) in enumerate(balanced)]
     if all(o is not None for o in opts):
         best = planner.assemble(balanced, opts)  # type: ignore[arg-type]
-    bound = best[1].step_time_s * _TOLERANCE if best is not None else float("inf")
+    bound = min(best[1].step_time_s if best is not None else float("inf"),
+                cutoff_s) * _TOLERANCE
+    cut = best is None and cutoff_s < float("inf")
     phi = {"interleaved": 1.0 / max(config.virtual_stages, 1), "zero_bubble": 0.0}.get(
         config.schedule, 1.0)
     # no stage can hold more blocks than the longest run whose blocks' own time (a floor of
@@ -254,7 +262,7 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
         result = planner.assemble(bounds[::-1], chain[::-1])
         if best is None or result[1].step_time_s < best[1].step_time_s * (1 - 1e-12):
             best = result
-    return best
+    return best, cut and best is None
 
 
 def _longest_run(times: list[float], limit: float) -> int:
