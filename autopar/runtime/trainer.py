@@ -41,9 +41,17 @@ def _stacked_experts(model: nn.Module) -> bool:
         return False
 
 
-def _vocab(model: nn.Module) -> int:
+def _vocab(model: nn.Module, plan: Plan) -> int:
+    """The output size of the language-model head: the model's config when it has one, else
+    the last dimension of the captured output (a plain nn.Module factory)."""
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
-    return int(cfg.vocab_size)
+    if getattr(cfg, "vocab_size", None):
+        return int(cfg.vocab_size)
+    shapes = list(plan.model.get("outputs", {}).values())
+    if not shapes or not shapes[0]:
+        raise PlanError("the plan does not record the model's output shape and the model has "
+                        "no config.vocab_size; re-plan it with this autopar version")
+    return int(shapes[0][-1])
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -92,7 +100,7 @@ class Trainer:
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = build_from_source(source, seed, "meta")
-        self.vocab = _vocab(model)
+        self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
         from autopar.runtime.dataset import open_source
 

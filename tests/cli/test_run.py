@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,30 @@ def test_run_bad_artifacts(tmp_path) -> None:
     _assert_one_line_error(run_cli("run", str(tmp_path)), "corrupt")
     (tmp_path / "manifest.json").write_text(json.dumps({"manifest_version": 99}))
     _assert_one_line_error(run_cli("run", str(tmp_path)), "manifest version")
+
+
+FIXTURES = str(Path(__file__).resolve().parent.parent / "fixtures")
+
+
+def _compile_and_train(tmp_path, devices: int, constraints: str) -> list[float]:
+    art = tmp_path / constraints.replace(",", "_").replace("=", "")
+    args = ["compile", "plain_lm:make", "--devices", str(devices), "--global-batch", "4",
+            "--out", str(art), "-q"] + (["--constraints", constraints] if constraints else [])
+    made = run_cli(*args, cwd=FIXTURES)
+    assert made.returncode == 0, made.stderr
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(devices), "-m", "autopar"] if devices > 1 else [sys.executable, "-m", "autopar"])
+    result = subprocess.run([*cmd, "run", str(art), "--steps", "3", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=180, cwd=FIXTURES)
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = (art / "logs" / "train.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in log]
+
+
+def test_a_plain_module_factory_trains_under_every_mode(tmp_path) -> None:
+    """A ``module:factory`` returning a plain nn.Module (no config, no vocab_size): its output
+    size comes from the captured graph, and dp2, tp2, pp2 and ZeRO-3 train like one process."""
+    single = _compile_and_train(tmp_path, 1, "")
+    for constraints in ("dp=2,pp=1,zero_stage=0", "tp=2,pp=1", "pp=2",
+                        "dp=2,pp=1,zero_stage=3"):
+        assert _compile_and_train(tmp_path, 2, constraints) == pytest.approx(single, abs=1e-4)
