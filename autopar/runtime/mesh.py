@@ -13,3 +13,15 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The plan's mesh over the current process group (world size == plan.devices)."""
     shape = tuple(plan.mesh[a] for a in AXES)
     return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+
+
+def single_process_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The plan's (all-ones) mesh for a 1-device plan. fully_shard (offload) needs a mesh; in a
+    plain process there is no process group yet, so a 1-rank one is made in memory (under
+    torchrun the launcher's is used) instead of letting fully_shard start its own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return build_mesh(plan, device_type)

@@ -132,6 +132,11 @@ class Trainer:
 
                 self.experts = apply_expert_parallel(model, plan, mesh["ep"])
                 self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
+        if world == 1 and {"optimizer", "params"} & set(plan.offload):
+            from autopar.runtime.mesh import single_process_mesh
+
+            mesh = single_process_mesh(plan, device)
+            dp_mesh = mesh["dp"]
         if plan.mesh["pp"] > 1:
             model = self._pipeline(model, reference, plan, mesh, device, dp_mesh)
             zero1 = False

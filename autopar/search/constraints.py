@@ -1,7 +1,7 @@
 """Constraints that pin parts of a plan: a dict, a YAML file, or a shipped preset name.
 
 Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
-("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"),
+("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
 (autopar | megatron | deepspeed: whose collectives the prediction prices).
@@ -127,7 +127,8 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {value!r}")
         return value
     # offload
-    items = [] if value in (None, "none", False) else ([value] if isinstance(value, str)
+    # a string may join several with "+", as the report prints them ("optimizer+params")
+    items = [] if value in (None, "none", False) else (value.split("+") if isinstance(value, str)
                                                        else list(value))
     bad = [i for i in items if i not in OFFLOADS]
     if bad:

@@ -119,6 +119,9 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
             elif pins.get("virtual_stages", 1) == 1:
                 schedules.append((name, 1))
     offloads = OFFLOAD_CHOICES if train else ((), ("params",))
+    if cluster.device.type == "cpu" and "offload" not in pins:
+        # host memory is the device's own: offloading frees nothing (unless pinned, to test it)
+        offloads = ((),)
     out = []
     for zero in zeros:
         if pins.get("zero_stage", zero) != zero:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .test_inspect import _assert_one_line_error, run_cli
 
@@ -78,3 +80,24 @@ def test_a_plain_module_factory_trains_under_every_mode(tmp_path) -> None:
     for constraints in ("dp=2,pp=1,zero_stage=0", "tp=2,pp=1", "pp=2",
                         "dp=2,pp=1,zero_stage=3"):
         assert _compile_and_train(tmp_path, 2, constraints) == pytest.approx(single, abs=1e-4)
+
+
+@pytest.mark.parametrize("constraints", ["", "offload=optimizer+params"])
+def test_one_device_plans_run_under_torchrun_and_as_one_process(tmp_path, constraints) -> None:
+    """The 1-device plan the search picks on a CPU cluster (and one pinned to offload) trains
+    under ``torchrun --nproc-per-node 1`` exactly as in a plain process."""
+    art = tmp_path / "art"
+    args = ["compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch", "2",
+            "--cluster", "cpu", "--out", str(art), "-q"]
+    made = run_cli(*args, *(["--constraints", constraints] if constraints else []))
+    assert made.returncode == 0, made.stderr
+    plan = yaml.safe_load((art / "plan.yaml").read_text())
+    assert plan["offload"] == (constraints.split("=")[1].split("+") if constraints else [])
+    losses = []
+    for launcher in (_torchrun, lambda n, *a: run_cli(*a)):
+        (art / "logs").exists() and shutil.rmtree(art / "logs")
+        result = launcher(1, "run", str(art), "--steps", "2", "--device", "cpu")
+        assert result.returncode == 0, result.stderr[-2000:]
+        log = (art / "logs" / "train.jsonl").read_text().splitlines()
+        losses.append([json.loads(line)["loss"] for line in log])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
