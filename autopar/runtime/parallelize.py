@@ -4,9 +4,13 @@ fully_shard for data parallelism."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autopar.plan import Plan
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names, tied_modules
@@ -21,8 +25,12 @@ _tied_modules = tied_modules
 
 
 def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) -> None:
-    """Wrap each block's module as the plan says: full = the whole layer, selective = its
-    attention submodule. ``skip_missing`` for a pipeline stage that holds some layers."""
+    """Wrap each block's module as the plan says. ``full`` checkpoints the whole layer;
+    ``selective`` checkpoints it too, but with a policy that keeps every op's output except
+    the attention core's (the cost model's meaning: from the score matmul to the value matmul,
+    or the fused SDPA op), so only those are recomputed, whatever the attention child is
+    called. ``skip_missing`` for a pipeline stage that holds some layers."""
+    seq = next(iter(plan.model["inputs"].values()))[-1]
     for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
         name = block["name"]
         if mode == "none" or name in ("head", "tail", "root"):
@@ -32,16 +40,37 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
                 model.get_submodule(name)
             except AttributeError:
                 continue
-        target = name
-        if mode == "selective":
-            layer = model.get_submodule(name)
-            attn = next((n for n, _ in layer.named_children() if "attn" in n.lower()), None)
-            if attn is None:
-                continue
-            target = f"{name}.{attn}"
-        parent_name, _, child = target.rpartition(".")
+        parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, checkpoint_wrapper(getattr(parent, child)))
+        kwargs = {}
+        if mode == "selective":
+            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts,
+                                           attention_core_policy(seq))
+        setattr(parent, child, checkpoint_wrapper(getattr(parent, child), **kwargs))
+
+
+_SDPA = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+         "_scaled_dot_product_attention_math", "scaled_dot_product_attention"}
+
+
+def attention_core_policy(seq: int):
+    """Selective-checkpoint policy: recompute the fused attention op and every op whose output
+    is a seq x seq score tensor (score matmul, scale, mask, softmax, dropout); save the rest."""
+
+    def scores(t: object) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-2:] == (seq, seq)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        name = getattr(op, "__name__", "").split(".")[0]
+        if name in _SDPA or any(scores(a) for a in args):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if name in ("bmm", "baddbmm") and args[-2].shape[-2] == seq and \
+                args[-1].shape[-1] == seq:  # the score matmul q @ k^T
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 def _data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
