@@ -1,6 +1,6 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
-Public surface (see docs/ and DESIGN.md): ``capture``, ``Cluster``, the error classes and the
+Public surface (see docs/architecture.md): ``capture``, ``Cluster``, the error classes and the
 ``ir`` module.
 """
 
