@@ -73,20 +73,23 @@ def attention_core_policy(seq: int):
     return policy
 
 
-def _data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
-    """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses."""
+def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
+    """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses. DDP for
+    ZeRO-0/1 (1 adds a sharded optimizer), fully_shard for ZeRO-2 (parameters kept gathered
+    from the forward to the end of the backward) and ZeRO-3, and for offload."""
     offload = {"optimizer", "params"} & set(plan.offload)
-    if (dp_mesh is None or plan.mesh["dp"] == 1) and not offload:
+    if offload:
+        return "fully_shard" if dp_mesh is not None else "none"
+    if dp_mesh is None or plan.mesh["dp"] == 1:
         return "none"
-    if plan.mesh["tp"] == 1 and plan.zero_stage <= 1 and not offload:
-        return "ddp"
-    return "fully_shard"
+    return "ddp" if plan.zero_stage <= 1 else "fully_shard"
 
 
-def shard_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
-    """The fully_shard half of :func:`apply_data_parallel` (ZeRO 2/3, or offload), in place;
-    returns whether it applied. Works on a meta model, before ``materialize``."""
-    if _data_parallel_kind(plan, dp_mesh) != "fully_shard":
+def shard_data_parallel_module(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
+                               ) -> bool:
+    """fully_shard ``module`` (its layers first, then itself) as the plan's ZeRO stage and
+    offload say; returns whether it applied. Works on a meta module, before ``materialize``."""
+    if data_parallel_kind(plan, dp_mesh) != "fully_shard":
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -95,11 +98,19 @@ def shard_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
     # needs an accelerator, so it is pinned only where one exists
     offload = {"optimizer", "params"} & set(plan.offload)
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
+    present = dict(module.named_modules())
     for name in _layer_names(plan):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard,
-                    offload_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+        if name in present:
+            fully_shard(present[name], mesh=dp_mesh, reshard_after_forward=reshard,
+                        offload_policy=policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
     return True
+
+
+def shard_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
+    """The fully_shard half of :func:`apply_data_parallel` (ZeRO 2/3, or offload), in place;
+    returns whether it applied."""
+    return shard_data_parallel_module(model, plan, dp_mesh)
 
 
 def replicate_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
@@ -107,7 +118,7 @@ def replicate_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | 
     """The DDP half of :func:`apply_data_parallel` (ZeRO 0/1). DDP broadcasts and buckets
     real tensors, so it runs after ``materialize``. Returns (model,
     use_zero_redundancy_optimizer); the model unchanged when the plan needs no DDP."""
-    if _data_parallel_kind(plan, dp_mesh) != "ddp":
+    if data_parallel_kind(plan, dp_mesh) != "ddp":
         return model, False
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
     return ddp, plan.zero_stage == 1

@@ -136,20 +136,51 @@ def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
 
 def materialize_stages(modules: list[nn.Module], plan: Plan, dp_mesh: DeviceMesh | None,
                        seed: int, reference: nn.Module, device: str) -> InitReport:
-    """Recompute, fully_shard over dp, then allocate and initialise this rank's stage modules
-    (still on meta) from ``reference``, the unsplit meta model: each stage gets the slice of
-    the weights one process would hold, tied copies on different stages included."""
+    """Recompute, fully_shard over dp (ZeRO-2/3, or offload), then allocate and initialise
+    this rank's stage modules (still on meta) from ``reference``, the unsplit meta model: each
+    stage gets the slice of the weights one process would hold, tied copies on different
+    stages included. ZeRO-0/1 stages stay whole (:func:`replicated_stages`)."""
+    from autopar.runtime.parallelize import shard_data_parallel_module
+
     reports = []
     for module in modules:
         apply_recompute(module, plan, skip_missing=True)
-        if plan.mesh["dp"] > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        shard_data_parallel_module(module, plan, dp_mesh)
         reports.append(materialize(module, seed, reference=reference, device=device))
     return InitReport(units=sum(r.units for r in reports),
                       peak_unit_bytes=max(r.peak_unit_bytes for r in reports),
                       local_bytes=sum(r.local_bytes for r in reports))
+
+
+def replicated_stages(plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
+    """Whether this rank's stages are data-parallel replicas (ZeRO-0/1 over several dp ranks):
+    their gradients are then all-reduced after the schedule's step
+    (:func:`all_reduce_replica_grads`). DDP is not used: its hooks miss the weight gradients of
+    the zero-bubble schedule, which computes them apart from the input gradients."""
+    from autopar.runtime.parallelize import data_parallel_kind
+
+    return data_parallel_kind(plan, dp_mesh) == "ddp"
+
+
+def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,
+                             bucket_bytes: int = 25 * 2**20) -> None:
+    """Average the stage gradients over the data-parallel replicas, in buckets of about
+    ``bucket_bytes`` (DDP's default bucket size) so that a large stage is a few collectives."""
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=dp_group)
+            flat /= dp
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+            bucket, size = [], 0
 
 
 def tied_copies(original: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:

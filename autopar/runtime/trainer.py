@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.plan.support import plan_unsupported
 from autopar.runtime.expert_parallel import (
     check_expert_parallel,
     replicate_expert_data_parallel,
@@ -87,10 +88,10 @@ class Trainer:
     def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
                  log_path: str | Path | None = None, data: str = "synthetic") -> None:
-        if plan.sequence_parallel and plan.mesh["tp"] > 1 and plan.mesh["pp"] > 1:
-            raise PlanError("sequence parallelism inside pipeline stages is not supported "
-                            "(stages exchange whole activations); re-plan with constraints "
-                            "sequence_parallel=false or pp=1")
+        reason = plan_unsupported(plan)  # the table the search reads too
+        if reason is not None:
+            raise PlanError(f"the runtime does not run {reason}; re-plan (autopar compile "
+                            f"proposes only what runs)")
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
@@ -115,6 +116,7 @@ class Trainer:
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
         self.dp_rank, dp_mesh, self.pipe, self.experts = 0, None, None, []
+        self.replicated = False  # a pipeline's ZeRO-0/1 replicas (gradients all-reduced)
         if world > 1:
             from autopar.runtime.mesh import build_mesh
 
@@ -138,8 +140,8 @@ class Trainer:
             mesh = single_process_mesh(plan, device)
             dp_mesh = mesh["dp"]
         if plan.mesh["pp"] > 1:
-            model = self._pipeline(model, reference, plan, mesh, device, dp_mesh)
-            zero1 = False
+            model, replicated = self._pipeline(model, reference, plan, mesh, device, dp_mesh)
+            zero1 = replicated and plan.zero_stage == 1
         else:
             apply_recompute(model, plan)
             if self.experts:
@@ -170,10 +172,15 @@ class Trainer:
         self.step_index = 0
 
     def _pipeline(self, model: nn.Module, reference: nn.Module, plan: Plan, mesh, device: str,
-                  dp_mesh) -> nn.Module:
+                  dp_mesh) -> tuple[nn.Module, bool]:
         """Split the meta model into this rank's stage modules, wrap and materialize them;
-        returns them as one ModuleList."""
-        from autopar.runtime.pipeline import build_pipeline, materialize_stages, tied_copies
+        returns them as one ModuleList, and whether they are DDP-replicated (ZeRO-0/1)."""
+        from autopar.runtime.pipeline import (
+            build_pipeline,
+            materialize_stages,
+            replicated_stages,
+            tied_copies,
+        )
 
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
@@ -183,13 +190,18 @@ class Trainer:
         self.pp_group = mesh["pp"].get_group()
         self.init_report = materialize_stages(modules, plan, dp_mesh, self.seed, reference,
                                               device)
-        return nn.ModuleList(modules)
+        self.replicated = replicated_stages(plan, dp_mesh)
+        return nn.ModuleList(modules), self.replicated
 
     def _pipeline_step(self, mine: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.pipeline import sync_tied_grads
 
         losses: list[torch.Tensor] = []
         self.pipe.step(mine[:, :-1], target=mine[:, 1:], losses=losses)
+        if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp
+            from autopar.runtime.pipeline import all_reduce_replica_grads
+
+            all_reduce_replica_grads(list(self.model), self.dp_group, self.plan.mesh["dp"])
         total = torch.stack([loss.detach() for loss in losses]).mean() if losses \
             else torch.zeros(())
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses

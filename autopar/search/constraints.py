@@ -41,8 +41,15 @@ def _from_mindformers(data: dict) -> dict:
                      ("use_seq_parallel", "sequence_parallel")):
         if src in pc:
             out[dst] = pc[src]
-    if "optimizer_shard" in data:  # MindSpore's optimizer parallel is ZeRO-1
-        out["zero_stage"] = 1 if data["optimizer_shard"] else 0
+    if "optimizer_shard" in data:
+        # MindSpore's optimizer parallel is ZeRO-1; under model (tensor) parallelism
+        # autopar's runtime shards parameters with FSDP2, so the nearest stage it runs is 2;
+        # without optimizer sharding the stage is left to the search for the same reason
+        tp = out.get("tp", 1)
+        if data["optimizer_shard"]:
+            out["zero_stage"] = 1 if tp == 1 else 2
+        elif tp == 1:
+            out["zero_stage"] = 0
     rc = data.get("recompute_config") or {}
     if rc:
         if rc.get("select_recompute"):

@@ -10,15 +10,13 @@ from autopar.search.space import ModelFacts, divisors
 
 def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
                        capacity: float, leanest: tuple | None, rejected: dict,
-                       global_batch: int) -> str:
+                       global_batch: int, reasons: set[str] | None = None) -> str:
     from autopar.ir.summary import human
 
     if leanest is None and rejected.get("runtime"):
         return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
                 f"can run: the constraints leave only combinations it does not support "
-                f"(sequence parallelism inside pipeline stages, pipelines of mixture-of-experts "
-                f"models, or expert parallelism with sequence parallelism or ZeRO-1); relax "
-                f"those constraints")
+                f"({'; '.join(sorted(reasons or ()))}); relax those constraints")
     if leanest is None:
         return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
                 f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "

@@ -25,6 +25,7 @@ from autopar.cost.estimate import Estimate, estimate
 from autopar.cost.hardware import Cluster
 from autopar.errors import InfeasibleError
 from autopar.ir.graph import Graph
+from autopar.plan.support import unsupported
 from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
 from autopar.search.infeasible import infeasible_message
 from autopar.search.robust import ROBUST_MARGIN, robust_choice
@@ -35,9 +36,9 @@ from autopar.search.space import (
     ModelFacts,
     divisors,
     legal_meshes,
+    offload_choices,
 )
 from autopar.search.stages import best_partition
-from autopar.search.support import unsupported
 
 Progress = Callable[[float, str], None]
 
@@ -74,8 +75,10 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                global_batch: int, pins: dict, allow_cross_node_tp: bool,
                rejected: dict[str, int], defaults: dict,
                layouts: dict[int, TPLayouts] | None = None,
-               capacity: float = float("inf")) -> list[Candidate]:
+               capacity: float = float("inf"), reasons: set[str] | None = None
+               ) -> list[Candidate]:
     out: list[Candidate] = []
+    reasons = set() if reasons is None else reasons  # why the runtime refused candidates
     meshes = legal_meshes(facts, devices, global_batch, cluster.devices_per_node, pins,
                           allow_cross_node_tp)
     for mesh in meshes:
@@ -92,14 +95,14 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                                       num_microbatches=m,
                                       tp_layouts=(layouts or {}).get(mesh.tp), **defaults)
                 out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
-                                          rejected, capacity))
+                                          rejected, capacity, reasons))
     out.sort()
     return out
 
 
 def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: Mesh,
                    facts: ModelFacts, task: str, pins: dict, rejected: dict[str, int],
-                   capacity: float) -> list[Candidate]:
+                   capacity: float, reasons: set[str]) -> list[Candidate]:
     train = task != "infer"
     replicas = mesh.dp * mesh.ep
     zeros = (0, 1, 2, 3) if train and replicas > 1 else (0,)
@@ -118,10 +121,9 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                         schedules.append((name, v))
             elif pins.get("virtual_stages", 1) == 1:
                 schedules.append((name, 1))
-    offloads = OFFLOAD_CHOICES if train else ((), ("params",))
-    if cluster.device.type == "cpu" and "offload" not in pins:
-        # host memory is the device's own: offloading frees nothing (unless pinned, to test it)
-        offloads = ((),)
+    # a pinned offload is tried even on a CPU device (to test the runtime's offload there)
+    offloads = OFFLOAD_CHOICES if "offload" in pins else offload_choices(cluster.device.type,
+                                                                          train)
     out = []
     for zero in zeros:
         if pins.get("zero_stage", zero) != zero:
@@ -134,8 +136,10 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
                                  offload=frozenset(offload))
-                if unsupported(config, facts.experts > 0):
+                reason = unsupported(config, facts.experts > 0)
+                if reason is not None:
                     rejected["runtime"] = rejected.get("runtime", 0) + 1
+                    reasons.add(reason)
                     continue
                 bound = candidate_lower_bound(graph, facts, cluster, config, task, capacity,
                                               pins.get("recompute"))
@@ -165,10 +169,11 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
     pinned_recompute = pins.get("recompute")
     rejected: dict[str, int] = {}
     memory_rejected: list[float] = []
+    reasons: set[str] = set()
     result = None
     for cross_node in (False, True):
         cands = candidates(graph, facts, cluster, devices, task, global_batch, pins, cross_node,
-                           rejected, defaults or {}, layouts, capacity)
+                           rejected, defaults or {}, layouts, capacity, reasons)
         best: tuple[ParallelConfig, Estimate] | None = None
         found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
         evaluated = pruned = 0
@@ -236,7 +241,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             break  # no wider tensor-parallel degree to try across nodes
     if result is None:
         raise InfeasibleError(infeasible_message(graph, facts, cluster, devices, capacity,
-                                                  leanest, rejected, global_batch))
+                                                  leanest, rejected, global_batch, reasons))
     if progress:
         progress(1.0, "done")
     return result

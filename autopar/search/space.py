@@ -14,6 +14,14 @@ OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
     ("activations", "optimizer", "params"))
 
 
+def offload_choices(device_type: str, train: bool) -> tuple[tuple[str, ...], ...]:
+    """The offload sets the search tries: none on a CPU device (its host memory is its own,
+    so offloading frees nothing); parameters only for inference."""
+    if device_type == "cpu":
+        return ((),)
+    return OFFLOAD_CHOICES if train else ((), ("params",))
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What legality depends on, from the graph."""

@@ -38,7 +38,10 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
         if rank == 0:
             out.put(("ok", (losses, sharded) if probe is None else (losses, sharded, probed)))
     except Exception as exc:  # reported to the test as text
-        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        import traceback
+
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
+                          f"{''.join(traceback.format_exc()[-3000:])}"))
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()

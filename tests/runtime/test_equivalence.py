@@ -162,3 +162,65 @@ def test_tiny_mixtral_dp2_zero3_matches_single_process() -> None:
     plan = _plan(graph, 2, dp=2, ep=1, tp=1, zero_stage=3, microbatch_size=1)
     losses, sharded = run_ranks(source, plan, STEPS)
     assert losses == pytest.approx(reference, rel=1e-4) and sharded > 0
+
+
+def _wrapping_probe(trainer) -> dict:
+    """How this rank's data parallelism is really built: replicated (DDP, or a pipeline's
+    gradient all-reduce), the sharded optimizer, fully_shard's reshard flag and offload."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    modules = list(trainer.model.modules())
+    fsdp = [m for m in modules if isinstance(m, FSDPModule)]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in fsdp]
+    groups = [g for g in groups if g is not None]
+    return {"replicated": getattr(trainer, "replicated", False) or any(
+                isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in modules),
+            "zero_optimizer": isinstance(trainer.optimizer, ZeroRedundancyOptimizer),
+            "reshard": sorted({bool(g.post_forward_mesh_info) for g in groups}),
+            "offload": sorted({type(g.offload_policy).__name__ for g in groups})}
+
+
+PIPELINE_DP = {  # what the plan says -> what must be built
+    "pp2xdp2 zero0 1f1b": (dict(dp=2, zero_stage=0, schedule="1f1b"),
+                           dict(replicated=True, zero_optimizer=False, reshard=[], offload=[])),
+    "pp2xdp2 zero1 zero-bubble": (dict(dp=2, zero_stage=1, schedule="zero_bubble"),
+                                  dict(replicated=True, zero_optimizer=True, reshard=[], offload=[])),
+    "pp2xdp2 zero2 interleaved": (dict(dp=2, zero_stage=2, schedule="interleaved",
+                                       virtual_stages=2),
+                                  dict(replicated=False, zero_optimizer=False, reshard=[False],
+                                       offload=["OffloadPolicy"])),
+    "pp2 offload": (dict(dp=1, zero_stage=0, schedule="1f1b", offload=["optimizer", "params"],
+                         num_microbatches=4),
+                    dict(replicated=False, zero_optimizer=False, reshard=[False],
+                         offload=["CPUOffloadPolicy"])),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_DP))
+def test_pipelines_honour_the_planned_zero_stage_and_offload(gpt4, case: str) -> None:
+    """pp x ZeRO 0/1/2 and pp x offload run as planned (DDP, the sharded optimizer,
+    fully_shard without resharding, CPU offload) and equal one process."""
+    source, graph, reference = gpt4
+    pins, built = PIPELINE_DP[case]
+    pins = {"num_microbatches": 2, **pins}
+    devices = 2 * pins["dp"]
+    plan = _plan(graph, devices, pp=2, tp=1, microbatch_size=1, **pins)
+    assert (plan.zero_stage, plan.schedule) == (pins["zero_stage"], pins["schedule"])
+    losses, _, probed = run_ranks(source, plan, STEPS, probe=_wrapping_probe)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert probed == built
+
+
+def test_a_hand_edited_plan_the_runtime_cannot_honour_is_refused(gpt) -> None:
+    """ZeRO-1 under tensor parallelism is not in the runtime's table: the search never
+    proposes it, and a plan edited to ask for it is refused before any work."""
+    from autopar.runtime import Trainer
+
+    source, graph = gpt
+    plan = _plan(graph, 4, dp=2, tp=2, zero_stage=2, microbatch_size=1)
+    plan.zero_stage = 1
+    with pytest.raises(autopar.PlanError, match="ZeRO-1 with tensor parallelism"):
+        Trainer(source, plan, device="cpu")
+    with pytest.raises(autopar.InfeasibleError):
+        _plan(graph, 4, dp=2, tp=2, zero_stage=1, microbatch_size=1)

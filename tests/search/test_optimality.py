@@ -21,11 +21,11 @@ import autopar
 from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.precision import default_precision
 from autopar.models import GPT, GPTConfig, build_model, load_config, token_inputs
+from autopar.plan.support import unsupported
 from autopar.search.planner import VIRTUAL_STAGES
 from autopar.search.robust import ROBUST_MARGIN
 from autopar.search.sharding import solve_layouts
-from autopar.search.space import OFFLOAD_CHOICES, model_facts
-from autopar.search.support import unsupported
+from autopar.search.space import model_facts, offload_choices
 
 CLUSTERS = ["a100-80g", "h100-80g", "v100-16g", "a100-40g", "cpu"]
 
@@ -67,7 +67,8 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
                 for zero in (range(4) if dp * ep > 1 else [0]):
                     if pins.get("zero_stage", zero) != zero:
                         continue
-                    offloads = [()] if "offload" in pins else OFFLOAD_CHOICES
+                    offloads = [()] if "offload" in pins else offload_choices(cluster.device.type,
+                                                                              True)
                     for (schedule, v), offload in itertools.product(schedules, offloads):
                         base = ParallelConfig(
                             dp=dp, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, zero_stage=zero,

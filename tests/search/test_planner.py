@@ -94,10 +94,11 @@ def test_constraints_and_presets(llama8b) -> None:
     zero3 = autopar.plan(llama8b, devices=64, global_batch=512, constraints="zero3-only")
     assert zero3.zero_stage == 3 and zero3.mesh["tp"] == zero3.mesh["pp"] == 1
     mf = autopar.plan(llama8b, devices=8, global_batch=8, constraints="mindformers-style")
-    assert (mf.mesh["dp"], mf.mesh["tp"], mf.zero_stage) == (2, 4, 1)
+    # optimizer_shard is ZeRO-1, which the runtime runs as ZeRO-2 under tensor parallelism
+    assert (mf.mesh["dp"], mf.mesh["tp"], mf.zero_stage) == (2, 4, 2)
     assert set(mf.recompute) == {"full"}
-    text = autopar.plan(llama8b, devices=64, global_batch=512, constraints="tp=4,zero_stage=1")
-    assert text.mesh["tp"] == 4 and text.zero_stage == 1
+    text = autopar.plan(llama8b, devices=64, global_batch=512, constraints="tp=4,zero_stage=2")
+    assert text.mesh["tp"] == 4 and text.zero_stage == 2
     with pytest.raises(autopar.PlanError, match="unknown constraint"):
         autopar.plan(llama8b, devices=8, constraints={"tensor_parallel": 2})
     with pytest.raises(autopar.PlanError, match="preset"):
@@ -106,7 +107,7 @@ def test_constraints_and_presets(llama8b) -> None:
 
 def test_pinning_everything_evaluates_that_one_plan(llama8b) -> None:
     pins = {"pp": 2, "dp": 4, "tp": 8, "ep": 1, "microbatch_size": 1, "num_microbatches": 8,
-            "zero_stage": 1, "recompute": "selective", "offload": "none", "schedule": "1f1b",
+            "zero_stage": 2, "recompute": "selective", "offload": "none", "schedule": "1f1b",
             "sequence_parallel": False}
     plan = autopar.plan(llama8b, devices=64, global_batch=32, constraints=pins)
     assert plan.solver["evaluated"] == 1
@@ -135,7 +136,7 @@ def test_search_proposes_only_what_the_runtime_runs() -> None:
     """Expert parallelism never meets pipelines or ZeRO-1, and sequence parallelism never
     runs inside pipeline stages, in any candidate the search keeps."""
     from autopar.cost.config import ParallelConfig
-    from autopar.search.support import unsupported
+    from autopar.plan.support import unsupported
 
     graph = autopar.capture("tiny-mixtral", seq=32)
     plan = autopar.plan(graph, devices=8, global_batch=16, constraints=dict(ep=2))
@@ -147,6 +148,13 @@ def test_search_proposes_only_what_the_runtime_runs() -> None:
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=1)) is not None
     assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True)) is not None
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=3, tp=2)) is None
+    # DTensor parameters are data-parallel through fully_shard (ZeRO-2/3), and FSDP2 offloads
+    # sharded states: ZeRO-0/1 under tp, or with offload over several replicas, never run
+    assert "tensor parallelism" in unsupported(ParallelConfig(tp=2, dp=2, zero_stage=1))
+    assert unsupported(ParallelConfig(tp=2, dp=1, zero_stage=0)) is None
+    assert "offload" in unsupported(ParallelConfig(dp=2, zero_stage=0,
+                                                   offload=frozenset({"optimizer"})))
+    assert unsupported(ParallelConfig(dp=1, offload=frozenset({"optimizer"}))) is None
     with pytest.raises(autopar.InfeasibleError, match="runtime can run"):
         autopar.plan(graph, devices=4, global_batch=8, constraints=dict(ep=2, pp=2))
 

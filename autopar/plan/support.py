@@ -1,0 +1,67 @@
+"""Which parallel combinations autopar's runtime honours as planned: one table, read by the
+search (it proposes nothing else) and by the runtime (it refuses a hand-edited plan that asks
+for anything else, before any work). The docs' table in docs/runtime.md mirrors it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.cost.config import ParallelConfig
+    from autopar.plan.plan import Plan
+
+_STATE_OFFLOAD = frozenset({"optimizer", "params"})
+
+
+def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
+                            zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
+                            moe: bool) -> str | None:
+    """Why the runtime cannot honour this combination, or None when it can. Plans priced for
+    another engine (megatron, deepspeed) are exported, not run: they are restricted only to
+    what that engine offers."""
+    if engine == "megatron" and zero_stage >= 2:
+        return "ZeRO-2/3 on Megatron-LM (its distributed optimizer shards optimizer states only)"
+    if engine == "megatron" and offload:
+        return "offload on Megatron-LM"
+    if engine != "autopar":
+        return None
+    replicas = dp * ep
+    if moe and pp > 1:
+        return "pipelines of mixture-of-experts models (constraints pp=1)"
+    if sequence_parallel and tp > 1 and pp > 1:
+        return "sequence parallelism inside pipeline stages (constraints sequence_parallel=false or pp=1)"
+    if ep > 1 and pp > 1:
+        return "expert parallelism with pipeline parallelism (constraints pp=1)"
+    if ep > 1 and sequence_parallel and tp > 1:
+        return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
+    if ep > 1 and zero_stage == 1 and not offload:
+        return "expert parallelism with ZeRO-1 (constraints zero_stage=2)"
+    # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)
+    # parameters are data-parallel through fully_shard, which shards gradients (ZeRO-2/3)
+    if tp > 1 and dp > 1 and zero_stage < 2 and ep == 1:
+        return (f"ZeRO-{zero_stage} with tensor parallelism (the runtime shards DTensor "
+                f"parameters with fully_shard: constraints zero_stage=2)")
+    # FSDP2 offloads the sharded states: with several replicas that is ZeRO-2/3
+    if offload & _STATE_OFFLOAD and replicas > 1 and zero_stage < 2 and ep == 1:
+        return (f"offloading the optimizer or parameters with ZeRO-{zero_stage} (FSDP2 offloads "
+                f"sharded states: constraints zero_stage=2)")
+    return None
+
+
+def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
+    """:func:`unsupported_combination` for a cost-model configuration (the search's view)."""
+    return unsupported_combination(
+        engine=config.engine, dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep,
+        zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
+        offload=frozenset(config.offload), moe=moe)
+
+
+def plan_unsupported(plan: Plan) -> str | None:
+    """:func:`unsupported_combination` for a plan (the runtime's view)."""
+    m = plan.mesh
+    return unsupported_combination(
+        engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
+        zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
+        offload=frozenset(plan.offload),
+        moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())))
