@@ -35,16 +35,17 @@ def recipe_text(plan: Plan) -> str:
         v = plan.virtual_stages if plan.schedule == "interleaved" else 1
         lines.append(f"pipeline: torch.distributed.pipelining, {m['pp'] * v} chunks at blocks "
                      f"{plan.stages} (v={v}), schedule {plan.schedule}")
-    if m["dp"] > 1 and m["pp"] > 1:
-        lines.append(f"data parallel: fully_shard per stage module, reshard_after_forward="
-                     f"{plan.zero_stage == 3}")
+    offload = sorted({"optimizer", "params"} & set(plan.offload))
+    sharded = (f"fully_shard per layer and {'stage module' if m['pp'] > 1 else 'root'}, "
+               f"reshard_after_forward={plan.zero_stage == 3} (ZeRO-{plan.zero_stage})"
+               + (f", CPUOffloadPolicy ({'+'.join(offload)})" if offload else ""))
+    if offload or (m["dp"] > 1 and plan.zero_stage >= 2):
+        lines.append(f"data parallel: {sharded}")
     elif m["dp"] > 1:
-        wrapper = ("DistributedDataParallel" + (" + ZeroRedundancyOptimizer (ZeRO-1)"
-                                                 if plan.zero_stage == 1 else "")
-                   if m["tp"] == 1 and plan.zero_stage <= 1 else
-                   f"fully_shard per layer and root, reshard_after_forward="
-                   f"{plan.zero_stage == 3} (ZeRO-{plan.zero_stage})")
-        lines.append(f"data parallel: {wrapper}")
+        zero1 = " + ZeroRedundancyOptimizer (ZeRO-1)" if plan.zero_stage == 1 else ""
+        base = ("stage gradients averaged over dp after each step" if m["pp"] > 1
+                else "DistributedDataParallel")
+        lines.append(f"data parallel: {base}{zero1}")
     split = {k: v for k, v in plan.placements["params"].items() if "@tp" in v}
     if split:
         lines.append("tensor parallel (DTensor, parallelize_module):")
@@ -77,7 +78,7 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         plan.save(tmp / "plan.yaml")
         manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
                     "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
-                    "model": source}
+                    "model": source, "versions": library_versions()}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (tmp / "recipe.txt").write_text(recipe_text(plan))
         from autopar.codegen.programs import program_dumps
@@ -98,6 +99,30 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     return out
 
 
+def library_versions() -> dict[str, str]:
+    """The torch and transformers releases this process plans with (local build tags such as
+    "+cpu" or "+cu124" dropped: the same release on another device is the same program)."""
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__.split("+")[0],
+            "transformers": transformers.__version__.split("+")[0]}
+
+
+def check_versions(manifest: dict, where: str) -> None:
+    """Refuse to run an artifact planned with other torch or transformers releases: module
+    paths, traced graphs and init rules can differ between them."""
+    recorded = manifest.get("versions")
+    if not recorded:
+        return  # artifacts written before versions were recorded
+    here = library_versions()
+    for lib, version in sorted(recorded.items()):
+        if here.get(lib) != version:
+            raise PlanError(f"{where} was planned with {lib} {version} but this is {lib} "
+                            f"{here.get(lib)}; install {lib}=={version} or re-run autopar "
+                            f"compile")
+
+
 def load_artifact(directory: str | Path) -> tuple[dict, Plan]:
     """(manifest, plan) of an artifact directory, checked for version and consistency."""
     d = Path(directory)
@@ -114,6 +139,7 @@ def load_artifact(directory: str | Path) -> tuple[dict, Plan]:
         raise PlanError(f"{manifest_path} has manifest version "
                         f"{manifest.get('manifest_version')!r}, this autopar reads "
                         f"{MANIFEST_VERSION}; re-run autopar compile")
+    check_versions(manifest, str(d))
     plan = Plan.load(d / "plan.yaml")
     if plan.devices != manifest.get("devices"):
         raise PlanError(f"{d}: plan.yaml is for {plan.devices} devices but the manifest says "

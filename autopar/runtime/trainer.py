@@ -55,6 +55,17 @@ def _vocab(model: nn.Module, plan: Plan) -> int:
     return int(shapes[0][-1])
 
 
+def _check_module_paths(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan that names parameters the model does not have (planned for another model,
+    or edited): they would otherwise be silently left replicated."""
+    have = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(set(plan.placements.get("params", {})) - have)
+    if missing:
+        raise PlanError(f"the plan places {len(missing)} parameters the model does not have "
+                        f"(e.g. {missing[0]}); it was planned for another model: re-run "
+                        f"autopar compile for this one")
+
+
 def _logits(out: object) -> torch.Tensor:
     if hasattr(out, "logits"):
         return out.logits
@@ -101,6 +112,7 @@ class Trainer:
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = build_from_source(source, seed, "meta")
+        _check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
         from autopar.runtime.dataset import open_source
