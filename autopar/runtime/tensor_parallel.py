@@ -183,8 +183,10 @@ def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
             styles[path] = RowwiseParallel(input_layouts=Replicate())
         elif kind == "col" and in_layer:
             styles[path] = ColwiseParallel(use_local_output=not traced)
-        elif kind == "col":  # a column-parallel linear outside the layers is the LM head
+        elif kind == "col" and traced:  # the LM head of a pipeline's last stage: whole logits
             styles[path] = ColwiseParallel(output_layouts=Replicate())
+        elif kind == "col":  # the LM head: logits stay split over the vocabulary (the loss is
+            styles[path] = ColwiseParallel(use_local_output=False)  # vocabulary-parallel)
         else:
             styles[path] = RowwiseParallel()
     if traced:
@@ -255,7 +257,7 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         if _is_norm(module):
             styles[name] = SequenceParallel(sequence_dim=SEQ)
         elif split.get(name) == "col":
-            styles[name] = ColwiseParallel(input_layouts=Shard(SEQ), output_layouts=Replicate())
+            styles[name] = ColwiseParallel(input_layouts=Shard(SEQ), use_local_output=False)
         elif name in split:
             raise PlanError(f"the plan splits {name} by rows after the last layer; sequence "
                             f"parallelism expects a column-parallel or replicated LM head; "

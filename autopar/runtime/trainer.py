@@ -73,9 +73,19 @@ def _logits(out: object) -> torch.Tensor:
 
 
 def _lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a micro-batch (fp32)."""
-    logits = _full(_logits(output))
+    """Mean next-token cross-entropy of a micro-batch (fp32). Logits split over the vocabulary
+    (a column-parallel LM head) stay split: the loss is computed vocabulary-parallel, under
+    :func:`loss_parallel` (the caller's context), as the cost model prices it."""
+    logits = _logits(output)
+    if not _vocab_split(logits):
+        logits = _full(logits)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _vocab_split(t: object) -> bool:
+    placements = getattr(t, "placements", None)
+    return bool(placements) and any(p.is_shard(t.ndim - 1) or p.is_shard(-1)
+                                    for p in placements)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -236,10 +246,10 @@ class Trainer:
             total = torch.zeros(())
             for i in range(m):
                 chunk = mine[i * b:(i + 1) * b]
-                with self._activation_offload():
+                with self._loss_context(), self._activation_offload():
                     loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
-                (loss / m).backward()
-                total += loss.detach() / m
+                    (loss / m).backward()
+                total += _full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
         if self.grad_clip:
@@ -269,6 +279,17 @@ class Trainer:
         """Whether this run's state can be saved: every plan the runtime trains, pipelines and
         ZeRO-1 included (autopar.runtime.checkpoint writes one format for all of them)."""
         return True
+
+    def _loss_context(self):
+        """loss_parallel when the LM head may leave the logits split over tp (the forward,
+        the loss and its backward run inside it); otherwise nothing."""
+        import contextlib
+
+        if self.plan.mesh["tp"] > 1 and self.pipe is None:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _activation_offload(self):
         """save_on_cpu keeps saved activations in host memory when the plan offloads them."""
