@@ -55,7 +55,7 @@ def program_dumps(source: dict, plan: Plan) -> dict[str, str]:
     example = torch.zeros(plan.microbatch_size, seq, dtype=torch.long, device="meta")
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
     chunks = chunk_ranges(plan) if plan.mesh["pp"] > 1 else [(0, len(plan.model["blocks"]))]
-    spec = split_spec(plan, chunks) if len(chunks) > 1 else {}
+    spec = split_spec(plan, chunks, model) if len(chunks) > 1 else {}
     pipe = pipeline(model, mb_args=(example,), mb_kwargs=kwargs, split_spec=spec)
     files = {}
     for i in range(pipe.num_stages):

@@ -12,11 +12,21 @@ if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
 _STATE_OFFLOAD = frozenset({"optimizer", "params"})
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_modes(schedule: str) -> tuple[str, ...]:
+    """The recompute modes the runtime runs under a schedule. The zero-bubble schedule's split
+    backward (input gradients, then weight gradients) unpacks a checkpointed layer twice, which
+    selective checkpointing refuses; full checkpointing recomputes again."""
+    return ("none", "full") if schedule == "zero_bubble" else RECOMPUTE_MODES
 
 
 def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
-                            moe: bool) -> str | None:
+                            moe: bool, schedule: str = "1f1b",
+                            recompute: frozenset[str] = frozenset(),
+                            num_microbatches: int = 0) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
     another engine (megatron, deepspeed) are exported, not run: they are restricted only to
     what that engine offers."""
@@ -27,6 +37,16 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     if engine != "autopar":
         return None
     replicas = dp * ep
+    if pp > 1 and num_microbatches and num_microbatches < pp:
+        return (f"{num_microbatches} micro-batches on {pp} pipeline stages (torch's schedules "
+                f"need one per stage: a smaller micro-batch or a larger global batch)")
+    if pp > 1 and recompute - set(recompute_modes(schedule)):
+        return ("selective recompute with the zero-bubble schedule (constraints "
+                "recompute=full or schedule=1f1b)")
+    if ep > 1 and "selective" in recompute:
+        return ("selective recompute with expert parallelism (selective checkpointing cannot "
+                "replay the all-to-all dispatch's integer routing tensors: constraints "
+                "recompute=full)")
     if moe and pp > 1:
         return "pipelines of mixture-of-experts models (constraints pp=1)"
     if sequence_parallel and tp > 1 and pp > 1:
@@ -54,7 +74,10 @@ def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
     return unsupported_combination(
         engine=config.engine, dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep,
         zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
-        offload=frozenset(config.offload), moe=moe)
+        offload=frozenset(config.offload), moe=moe, schedule=config.schedule,
+        num_microbatches=config.num_microbatches,
+        recompute=frozenset((config.recompute,) if isinstance(config.recompute, str)
+                            else config.recompute))
 
 
 def plan_unsupported(plan: Plan) -> str | None:
@@ -64,4 +87,6 @@ def plan_unsupported(plan: Plan) -> str | None:
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
         offload=frozenset(plan.offload),
-        moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())))
+        moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())),
+        schedule=plan.schedule, recompute=frozenset(plan.recompute),
+        num_microbatches=plan.num_microbatches)

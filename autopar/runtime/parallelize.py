@@ -44,8 +44,13 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
         parent = model.get_submodule(parent_name) if parent_name else model
         kwargs = {}
         if mode == "selective":
+            # a kept output may be changed in place later in the forward (Mixtral's router
+            # normalises its top-k weights with /=). The recompute then replays the kept
+            # outputs, in-place ops included, without running them again; only the attention
+            # core re-runs, and nothing they read is written in place
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts,
-                                           attention_core_policy(seq))
+                                           attention_core_policy(seq),
+                                           allow_cache_entry_mutation=True)
         setattr(parent, child, checkpoint_wrapper(getattr(parent, child), **kwargs))
 
 

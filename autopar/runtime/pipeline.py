@@ -34,7 +34,12 @@ def chunk_ranges(plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
-def split_spec(plan: Plan, chunks: list[tuple[int, int]]) -> dict:
+def split_spec(plan: Plan, chunks: list[tuple[int, int]], model: nn.Module | None = None
+               ) -> dict:
+    """Where torch's tracer cuts the model: at the beginning of each chunk's first layer. A
+    chunk that starts with the tail (final norm, LM head) begins at the first module with
+    parameters registered after the last layer when ``model`` is given, else at the end of the
+    layer before it (which must not itself start a chunk)."""
     from torch.distributed.pipelining import SplitPoint
 
     blocks = [b["name"] for b in plan.model["blocks"]]
@@ -44,11 +49,33 @@ def split_spec(plan: Plan, chunks: list[tuple[int, int]]) -> dict:
         if name not in _LAYERLESS:
             spec[name] = SplitPoint.BEGINNING
         elif name == "tail" and blocks[start - 1] not in _LAYERLESS:
-            spec[blocks[start - 1]] = SplitPoint.END
+            first = _first_tail_module(model, blocks[start - 1]) if model is not None else None
+            if first is not None:
+                spec[first] = SplitPoint.BEGINNING
+            elif blocks[start - 1] in spec:
+                raise PlanError(f"cannot cut the pipeline both before and after "
+                                f"{blocks[start - 1]}; give that chunk another block")
+            else:
+                spec[blocks[start - 1]] = SplitPoint.END
         else:
             raise PlanError(f"cannot start a pipeline stage at block '{name}'; move the stage "
                             f"boundary onto a layer")
     return spec
+
+
+def _first_tail_module(model: nn.Module, last_layer: str) -> str | None:
+    """The first module with its own parameters registered after ``last_layer`` (and outside
+    it): the final norm or the LM head."""
+    after = False
+    for name, module in model.named_modules():
+        if name == last_layer:
+            after = True
+            continue
+        if not after or name.startswith(last_layer + "."):
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            return name
+    return None
 
 
 def _schedule_class(name: str):
@@ -74,10 +101,12 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
 
     chunks = chunk_ranges(plan)
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
+    _untie(model)
     # traced on the whole, unsplit model: tensor parallelism is applied to the stage modules
     # after the split, and keeps the global shapes the trace baked in (see tensor_parallel)
     pipe = pipeline(model, mb_args=(example,), mb_kwargs=kwargs,
-                    split_spec=split_spec(plan, chunks))
+                    split_spec=split_spec(plan, chunks, model))
+    _thread_skip_inputs(pipe)
     if pipe.num_stages != len(chunks):
         raise PlanError(f"splitting the model gave {pipe.num_stages} stages, the plan needs "
                         f"{len(chunks)}")
@@ -99,6 +128,93 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
     schedule = cls(stages if multi else stages[0], n_microbatches=plan.num_microbatches,
                    loss_fn=loss_fn)
     return stages, schedule, [s.submod for s in stages]
+
+
+def _thread_skip_inputs(pipe) -> None:
+    """Pass every value a stage reads from a stage before its neighbour through the stages in
+    between (an extra input and output each).
+
+    Hugging Face decoders make the rotary tables and the attention mask once, before the first
+    layer, and hand them to every layer: traced and split, a third stage would read them from
+    the first, a skip connection torch's schedules refuse ("Backward of skip connections not
+    supported", or non-adjacent stages under the interleaved schedules). Threaded through,
+    every stage talks to its neighbours only.
+    """
+    import operator
+
+    gm = pipe.split_gm
+    graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    index = {n: i for i, n in enumerate(calls)}
+
+    def producer(node) -> int | None:
+        if node in index:
+            return index[node]
+        if node.op == "call_function" and node.target is operator.getitem and \
+                node.args[0] in index:
+            return index[node.args[0]]
+        return None
+
+    relayed: dict = {}  # (value node, stage) -> the node holding it after that stage
+
+    def relay(value, stage: int, meta: dict):
+        """``value`` as output of stage ``stage`` (which gets it as an extra input); ``meta``
+        is the consuming stage's placeholder meta (its "val" sizes the buffers)."""
+        key = (value, stage)
+        if key in relayed:
+            return relayed[key]
+        call = calls[stage]
+        sub = getattr(gm, call.target)
+        sub_graph = sub.graph
+        placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
+        received = value in call.args  # the stage reads it already: send on what it gets (a
+        if received:                   # second receive of one send would desynchronise)
+            extra = placeholders[list(call.args).index(value)]
+        else:
+            with sub_graph.inserting_after(placeholders[-1]):
+                extra = sub_graph.placeholder(f"relay_{len(placeholders)}")
+            extra.meta = dict(meta)  # stages size their buffers from meta["val"]
+        out = next(n for n in sub_graph.nodes if n.op == "output")
+        result = out.args[0]
+        before = call.meta.get("val")
+        if isinstance(result, (tuple, list)):
+            out.args = (tuple(result) + (extra,),)
+            position = len(result)
+            call.meta["val"] = (*before, meta.get("val")) if before is not None else None
+        else:  # a single output becomes a pair: its users read item 0
+            out.args = ((result, extra),)
+            position = 1
+            users = list(call.users)
+            with graph.inserting_after(call):
+                first = graph.call_function(operator.getitem, (call, 0))
+            first.meta = dict(call.meta)
+            for user in users:
+                user.replace_input_with(call, first)
+            call.meta["val"] = (before, meta.get("val"))
+        sub.recompile()
+        if not received:
+            call.args = call.args + (value,)
+        with graph.inserting_after(call):
+            held = graph.call_function(operator.getitem, (call, position))
+        held.meta = dict(meta)
+        relayed[key] = held
+        return held
+
+    for k, call in enumerate(calls):
+        own = [n for n in getattr(gm, call.target).graph.nodes if n.op == "placeholder"]
+        for i, placeholder in enumerate(own):
+            a = call.args[i]  # read afresh: relaying rewires the readers of earlier stages
+            if not isinstance(a, torch.fx.Node):
+                continue
+            j = producer(a)
+            if j is None and a.op == "placeholder":
+                j = -1  # a model input read after the first stage
+            if j is not None and j < k - 1:
+                for m in range(j + 1, k):
+                    a = relay(a, m, placeholder.meta)
+                call.update_arg(i, a)
+    graph.lint()
+    gm.recompile()
 
 
 def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
@@ -181,6 +297,20 @@ def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
             bucket, size = [], 0
+
+
+def _untie(model: nn.Module) -> None:
+    """Give every tied alias (an LM head sharing the embedding's weight) its own meta
+    Parameter before tracing: otherwise the tracer passes the shared weight from the first
+    stage to the last as an activation, which the interleaved schedules refuse (non-adjacent
+    stages). The copies are initialised alike (materialize maps aliases to their owner) and
+    their gradients summed (:func:`sync_tied_grads`), so training is unchanged."""
+    for alias in tied_copies(model):
+        parent, _, attr = alias.rpartition(".")
+        module = model.get_submodule(parent) if parent else model
+        shared = getattr(module, attr)
+        setattr(module, attr, nn.Parameter(torch.empty_like(shared, device="meta"),
+                                           requires_grad=shared.requires_grad))
 
 
 def tied_copies(original: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -136,7 +136,10 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 config = replace(base, zero_stage=zero, schedule=schedule, virtual_stages=v,
                                  offload=frozenset(offload))
-                reason = unsupported(config, facts.experts > 0)
+                pinned = pins.get("recompute")
+                checked = config if pinned is None else replace(
+                    config, recompute=pinned if isinstance(pinned, str) else tuple(pinned))
+                reason = unsupported(checked, facts.experts > 0)
                 if reason is not None:
                     rejected["runtime"] = rejected.get("runtime", 0) + 1
                     reasons.add(reason)

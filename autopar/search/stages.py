@@ -30,6 +30,7 @@ from autopar.cost.estimate import (
 from autopar.cost.hardware import Cluster
 from autopar.cost.memory import MemoryBreakdown, inflight_microbatches
 from autopar.ir.graph import Graph
+from autopar.plan.support import recompute_modes
 from autopar.search.recompute import MODES, ModeCost, choose_recompute
 
 # memoised stage options per graph and candidate (a pure cache of best-stage choices)
@@ -71,7 +72,11 @@ class StagePlanner:
         # (part of the signature), so candidates that differ in schedule alone share them
         shared = replace(config, schedule="1f1b", virtual_stages=1, stages=None,
                          recompute="none")
-        key = (shared, cluster.cache_key, capacity, host_capacity, pinned, self.train)
+        # the recompute modes the runtime runs under this schedule (part of the key: the
+        # options are shared across schedules)
+        self.allowed = recompute_modes(config.schedule)
+        key = (shared, cluster.cache_key, capacity, host_capacity, pinned, self.train,
+               self.allowed)
         per_graph = _OPTIONS.setdefault(graph, {})
         if len(per_graph) > 256:  # a long search: keep memory bounded
             per_graph.clear()
@@ -160,7 +165,7 @@ class StagePlanner:
                 per_mode.append(ModeCost(b.activation_bytes, b.recompute_peak_bytes,
                                          b.recompute_s))
             types.append((len(indices), per_mode))
-        chosen = choose_recompute(types, static, held, self.capacity)
+        chosen = choose_recompute(types, static, held, self.capacity, self.allowed)
         if chosen is None:
             return self._option(start, end, stage, ("full",) * count)
         modes = ["none"] * count

@@ -224,3 +224,22 @@ def test_a_hand_edited_plan_the_runtime_cannot_honour_is_refused(gpt) -> None:
         Trainer(source, plan, device="cpu")
     with pytest.raises(autopar.InfeasibleError):
         _plan(graph, 4, dp=2, tp=2, zero_stage=1, microbatch_size=1)
+
+
+@pytest.mark.parametrize("pins", [dict(pp=4, schedule="1f1b", num_microbatches=4),
+                                  dict(pp=4, schedule="zero_bubble", num_microbatches=4),
+                                  dict(pp=2, schedule="interleaved", virtual_stages=3,
+                                       num_microbatches=4)],
+                         ids=["pp4-1f1b", "pp4-zero-bubble", "pp2-interleaved-v3"])
+def test_hf_pipelines_deeper_than_two_chunks_match_single_process(llama, pins: dict) -> None:
+    """A Hugging Face decoder hands its rotary tables and mask from before the first layer to
+    every layer: split into more than two chunks, the later chunks would read them from the
+    first (a skip connection torch's schedules refuse); the runtime threads them through."""
+    source, graph = llama
+    reference, _ = run_ranks(source, _plan(graph, 1, microbatch_size=1, num_microbatches=4),
+                             STEPS)
+    devices = pins["pp"]
+    plan = _plan(graph, devices, tp=1, dp=1, microbatch_size=1, **pins)
+    assert len(plan.stages) * plan.virtual_stages > 2
+    losses, _ = run_ranks(source, plan, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-4)

@@ -82,6 +82,8 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
                                                            repeat=nblocks):
                                 config = ParallelConfig(**{**base.__dict__, "stages": stages,
                                                            "recompute": modes})
+                                if unsupported(config, moe):
+                                    continue
                                 est = estimate(graph, cluster, config)
                                 if est.fits(capacity, cluster.node.host_memory_bytes):
                                     best = min(best, est.step_time_s)
