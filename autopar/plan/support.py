@@ -15,11 +15,14 @@ _STATE_OFFLOAD = frozenset({"optimizer", "params"})
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def recompute_modes(schedule: str) -> tuple[str, ...]:
+def recompute_modes(schedule: str, engine: str = "autopar") -> tuple[str, ...]:
     """The recompute modes the runtime runs under a schedule. The zero-bubble schedule's split
     backward (input gradients, then weight gradients) unpacks a checkpointed layer twice, which
-    selective checkpointing refuses; full checkpointing recomputes again."""
-    return ("none", "full") if schedule == "zero_bubble" else RECOMPUTE_MODES
+    selective checkpointing refuses; full checkpointing recomputes again. Plans for another
+    engine are exported, not run: every mode."""
+    if engine == "autopar" and schedule == "zero_bubble":
+        return ("none", "full")
+    return RECOMPUTE_MODES
 
 
 def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,

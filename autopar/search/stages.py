@@ -74,7 +74,7 @@ class StagePlanner:
                          recompute="none")
         # the recompute modes the runtime runs under this schedule (part of the key: the
         # options are shared across schedules)
-        self.allowed = recompute_modes(config.schedule)
+        self.allowed = recompute_modes(config.schedule, config.engine)
         key = (shared, cluster.cache_key, capacity, host_capacity, pinned, self.train,
                self.allowed)
         per_graph = _OPTIONS.setdefault(graph, {})
