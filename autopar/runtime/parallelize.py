@@ -90,10 +90,11 @@ def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
     return "ddp" if plan.zero_stage <= 1 else "fully_shard"
 
 
-def shard_data_parallel_module(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
-                               ) -> bool:
-    """fully_shard ``module`` (its layers first, then itself) as the plan's ZeRO stage and
-    offload say; returns whether it applied. Works on a meta module, before ``materialize``."""
+def shard_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
+    """The fully_shard half of :func:`apply_data_parallel`: ``module`` (the model, or a
+    pipeline stage) gets fully_shard on the plan's layers it holds, then on itself, as the
+    plan's ZeRO stage (2/3) and offload say; returns whether it applied. Works on a meta
+    module, before ``materialize``."""
     if data_parallel_kind(plan, dp_mesh) != "fully_shard":
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -110,12 +111,6 @@ def shard_data_parallel_module(module: nn.Module, plan: Plan, dp_mesh: DeviceMes
                         offload_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
     return True
-
-
-def shard_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
-    """The fully_shard half of :func:`apply_data_parallel` (ZeRO 2/3, or offload), in place;
-    returns whether it applied."""
-    return shard_data_parallel_module(model, plan, dp_mesh)
 
 
 def replicate_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None

@@ -256,12 +256,12 @@ def materialize_stages(modules: list[nn.Module], plan: Plan, dp_mesh: DeviceMesh
     this rank's stage modules (still on meta) from ``reference``, the unsplit meta model: each
     stage gets the slice of the weights one process would hold, tied copies on different
     stages included. ZeRO-0/1 stages stay whole (:func:`replicated_stages`)."""
-    from autopar.runtime.parallelize import shard_data_parallel_module
+    from autopar.runtime.parallelize import shard_data_parallel
 
     reports = []
     for module in modules:
         apply_recompute(module, plan, skip_missing=True)
-        shard_data_parallel_module(module, plan, dp_mesh)
+        shard_data_parallel(module, plan, dp_mesh)
         reports.append(materialize(module, seed, reference=reference, device=device))
     return InitReport(units=sum(r.units for r in reports),
                       peak_unit_bytes=max(r.peak_unit_bytes for r in reports),
