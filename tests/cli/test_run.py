@@ -101,3 +101,39 @@ def test_one_device_plans_run_under_torchrun_and_as_one_process(tmp_path, constr
         log = (art / "logs" / "train.jsonl").read_text().splitlines()
         losses.append([json.loads(line)["loss"] for line in log])
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
+    """Two torchrun agents (``--nnodes 2``, c10d rendezvous on this machine, one process each)
+    run a dp2 ZeRO-3 plan as one job, with one process's losses."""
+    from autopar.cost.profile_comm import free_port
+
+    art = tmp_path / "art"
+    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+                   "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    port = free_port()
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "-m", "autopar", "run", str(art),
+         "--steps", "3", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        results = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait(timeout=10)
+    assert all(a.returncode == 0 for a in agents), results[0][1][-2000:] + results[1][1][-2000:]
+    losses = [json.loads(line)["loss"] for line in
+              (art / "logs" / "train.jsonl").read_text().splitlines()]
+
+    single = tmp_path / "single"
+    assert run_cli("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
+                   "4", "--out", str(single), "-q").returncode == 0
+    assert run_cli("run", str(single), "--steps", "3", "--device", "cpu").returncode == 0
+    reference = [json.loads(line)["loss"] for line in
+                 (single / "logs" / "train.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(reference, rel=1e-4)
