@@ -1,6 +1,7 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
-Public surface (see docs/architecture.md): ``capture``, ``Cluster``, the error classes and the
+Public surface (see docs/architecture.md): ``capture``, ``plan``, ``compile``, ``parallelize``,
+``Cluster``, the error classes and the
 ``ir`` module.
 """
 
@@ -10,9 +11,10 @@ from autopar.codegen import compile_artifact as compile  # noqa: A001 - the publ
 from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 from autopar.plan import Plan
+from autopar.runtime.apply import parallelize
 from autopar.search.api import plan
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "Plan", "PlanError",
-           "capture", "compile", "ir", "plan", "__version__"]
+           "capture", "compile", "ir", "parallelize", "plan", "__version__"]

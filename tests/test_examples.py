@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -62,3 +64,22 @@ def test_plan_at_scale_example() -> None:
     free, *others = (float(r.split()[-4]) for r in [rows[0]] + rows[1:])  # step s column
     assert all(free <= o * 1.03 for o in others)  # the robust choice is within 3% of the best
     assert "chosen among" in out and "compute" in out
+
+
+@pytest.mark.dist
+def test_parallelize_your_own_loop_example() -> None:
+    """A ViT classifier planned by autopar.plan and trained by its own loop (own loss,
+    DataLoader) after autopar.parallelize: dp2 ZeRO-3 and tp2 print one process's losses."""
+    script = str(EXAMPLES / "parallelize_vit.py")
+
+    def losses(*command: str) -> list[str]:
+        result = subprocess.run(list(command), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [line for line in result.stdout.splitlines() if line.startswith("step")]
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    single = losses(sys.executable, script)
+    assert len(single) == 5
+    for constraints in ("dp=2,zero_stage=3", "tp=2"):
+        assert losses(*torchrun, script, constraints) == single, constraints

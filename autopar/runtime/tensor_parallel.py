@@ -143,15 +143,17 @@ def _under(path: str, prefixes: list[str]) -> str | None:
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
-                          tied: set[str] | None = None, original: nn.Module | None = None
-                          ) -> list[str]:
+                          tied: set[str] | None = None, original: nn.Module | None = None,
+                          whole_logits: bool = False) -> list[str]:
     """Column/row/vocabulary-parallel modules from the plan's parameter placements, and
     Megatron sequence parallelism when ``plan.sequence_parallel``.
 
     ``model`` is the whole model, or a pipeline stage traced from ``original`` (then the
     layers' column-parallel outputs stay DTensors so that the shapes the trace baked into its
     views stay global). ``tied`` names the tied modules of the original model (a stage holds
-    its own copies). Returns the module paths it split.
+    its own copies). ``whole_logits`` makes a column-parallel LM head gather its output (for a
+    caller's own loss) instead of leaving it split for a vocabulary-parallel loss. Returns the
+    module paths it split.
     """
     tied = tied_modules(model) if tied is None else tied
     split = _split(model, plan, tied)
@@ -164,16 +166,18 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
             raise PlanError("sequence parallelism inside pipeline stages is not supported "
                             "(stages exchange whole activations); re-plan with constraints "
                             "sequence_parallel=false or pp=1")
-        styles = _sequence_parallel_styles(model, plan, split)
+        styles = _sequence_parallel_styles(model, plan, split, whole_logits)
     else:
-        styles = _tensor_parallel_styles(model, plan, split, traced=original is not None)
+        styles = _tensor_parallel_styles(model, plan, split, traced=original is not None,
+                                         whole_logits=whole_logits)
     if styles:
         parallelize_module(model, tp_mesh, styles)
     return sorted(split)
 
 
 def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
-                            traced: bool) -> dict[str, ParallelStyle]:
+                            traced: bool, whole_logits: bool = False
+                            ) -> dict[str, ParallelStyle]:
     layers = [n for n in layer_names(plan) if n in dict(model.named_modules())]
     styles: dict[str, ParallelStyle] = {}
     for path, kind in split.items():
@@ -183,7 +187,8 @@ def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
             styles[path] = RowwiseParallel(input_layouts=Replicate())
         elif kind == "col" and in_layer:
             styles[path] = ColwiseParallel(use_local_output=not traced)
-        elif kind == "col" and traced:  # the LM head of a pipeline's last stage: whole logits
+        elif kind == "col" and (traced or whole_logits):  # whole logits: a pipeline's last
+            # stage, or a caller's own loss
             styles[path] = ColwiseParallel(output_layouts=Replicate())
         elif kind == "col":  # the LM head: logits stay split over the vocabulary (the loss is
             styles[path] = ColwiseParallel(use_local_output=False)  # vocabulary-parallel)
@@ -207,8 +212,8 @@ def _regions(model: nn.Module, layers: list[str], split: dict[str, str]) -> list
     return out
 
 
-def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str]
-                              ) -> dict[str, ParallelStyle]:
+def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
+                              whole_logits: bool = False) -> dict[str, ParallelStyle]:
     """Megatron-SP: the residual stream between layers is a DTensor sharded on the sequence;
     norms run on their shard; each region all-gathers its input and its row-parallel output
     reduce-scatters; the LM head gathers the final norm's output."""
@@ -257,7 +262,9 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         if _is_norm(module):
             styles[name] = SequenceParallel(sequence_dim=SEQ)
         elif split.get(name) == "col":
-            styles[name] = ColwiseParallel(input_layouts=Shard(SEQ), use_local_output=False)
+            styles[name] = ColwiseParallel(input_layouts=Shard(SEQ), output_layouts=Replicate()) \
+                if whole_logits else ColwiseParallel(input_layouts=Shard(SEQ),
+                                                     use_local_output=False)
         elif name in split:
             raise PlanError(f"the plan splits {name} by rows after the last layer; sequence "
                             f"parallelism expects a column-parallel or replicated LM head; "

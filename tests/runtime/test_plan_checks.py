@@ -47,3 +47,16 @@ def test_other_library_releases_are_refused(tmp_path) -> None:
     _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu"),
                            "torch==0.0.1")
     assert not (art / "logs").exists()
+
+
+def test_parallelize_refuses_what_it_does_not_apply_yet() -> None:
+    model = GPT(GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_layers=4, n_heads=4))
+    from autopar.models import token_inputs
+
+    graph = autopar.capture(model, token_inputs(1, 32))
+    plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pp=2))
+    with pytest.raises(autopar.PlanError, match="pipelines"):
+        autopar.parallelize(model, plan)
+    plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pp=1, dp=2))
+    with pytest.raises(autopar.PlanError, match="torchrun --nproc-per-node 2"):
+        autopar.parallelize(model, plan)
