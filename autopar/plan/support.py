@@ -93,3 +93,14 @@ def plan_unsupported(plan: Plan) -> str | None:
         moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
         num_microbatches=plan.num_microbatches)
+
+
+def refuse_unsupported(plan: Plan) -> None:
+    """Raise PlanError (one line, the way out included) when the runtime cannot honour
+    ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
+    from autopar.errors import PlanError
+
+    reason = plan_unsupported(plan)
+    if reason is not None:
+        raise PlanError(f"the runtime does not run {reason}; re-plan (autopar compile "
+                        f"proposes only what runs)")

@@ -15,13 +15,24 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.plan.support import plan_unsupported
+from autopar.plan.support import refuse_unsupported
 from autopar.runtime.parallelize import (
     apply_recompute,
     replicate_data_parallel,
     shard_data_parallel,
 )
 from autopar.runtime.tensor_parallel import apply_tensor_parallel
+
+
+def check_module_paths(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan that names parameters the model does not have (planned for another model,
+    or edited): they would otherwise be silently left replicated."""
+    have = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(set(plan.placements.get("params", {})) - have)
+    if missing:
+        raise PlanError(f"the plan places {len(missing)} parameters the model does not have "
+                        f"(e.g. {missing[0]}); it was planned for another model: plan this "
+                        f"one (autopar compile, or autopar.plan)")
 
 
 def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
@@ -33,9 +44,7 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
     Pipelines and expert parallelism are not applied here yet: a plan with pp > 1 or ep > 1 is
     refused (re-plan with constraints pp=1,ep=1).
     """
-    reason = plan_unsupported(plan)
-    if reason is not None:
-        raise PlanError(f"the runtime does not run {reason}; re-plan")
+    refuse_unsupported(plan)
     if plan.mesh["pp"] > 1 or plan.mesh["ep"] > 1:
         raise PlanError("autopar.parallelize does not apply pipelines or expert parallelism "
                         "yet; re-plan with constraints pp=1,ep=1 (or train with autopar run)")
@@ -43,11 +52,7 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
-    have = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    missing = sorted(set(plan.placements.get("params", {})) - have)
-    if missing:
-        raise PlanError(f"the plan places {len(missing)} parameters this model does not have "
-                        f"(e.g. {missing[0]}); plan this model: autopar.plan(model, ...)")
+    check_module_paths(model, plan)
     from autopar.runtime.mesh import build_mesh, single_process_mesh
 
     dp_mesh = None

@@ -15,7 +15,8 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.plan.support import plan_unsupported
+from autopar.plan.support import refuse_unsupported
+from autopar.runtime.apply import check_module_paths
 from autopar.runtime.expert_parallel import (
     check_expert_parallel,
     replicate_expert_data_parallel,
@@ -53,17 +54,6 @@ def _vocab(model: nn.Module, plan: Plan) -> int:
         raise PlanError("the plan does not record the model's output shape and the model has "
                         "no config.vocab_size; re-plan it with this autopar version")
     return int(shapes[0][-1])
-
-
-def _check_module_paths(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan that names parameters the model does not have (planned for another model,
-    or edited): they would otherwise be silently left replicated."""
-    have = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    missing = sorted(set(plan.placements.get("params", {})) - have)
-    if missing:
-        raise PlanError(f"the plan places {len(missing)} parameters the model does not have "
-                        f"(e.g. {missing[0]}); it was planned for another model: re-run "
-                        f"autopar compile for this one")
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -109,10 +99,7 @@ class Trainer:
     def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
                  log_path: str | Path | None = None, data: str = "synthetic") -> None:
-        reason = plan_unsupported(plan)  # the table the search reads too
-        if reason is not None:
-            raise PlanError(f"the runtime does not run {reason}; re-plan (autopar compile "
-                            f"proposes only what runs)")
+        refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
@@ -122,7 +109,7 @@ class Trainer:
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = build_from_source(source, seed, "meta")
-        _check_module_paths(model, plan)
+        check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
         from autopar.runtime.dataset import open_source
