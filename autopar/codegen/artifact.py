@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autopar.errors import PlanError
 from autopar.plan import PLAN_VERSION, Plan
+from autopar.runtime.parallelize import data_parallel_wrapper
 from autopar.runtime.source import describe_source
 
 MANIFEST_VERSION = 1
@@ -36,12 +37,13 @@ def recipe_text(plan: Plan) -> str:
         lines.append(f"pipeline: torch.distributed.pipelining, {m['pp'] * v} chunks at blocks "
                      f"{plan.stages} (v={v}), schedule {plan.schedule}")
     offload = sorted({"optimizer", "params"} & set(plan.offload))
-    sharded = (f"fully_shard per layer and {'stage module' if m['pp'] > 1 else 'root'}, "
-               f"reshard_after_forward={plan.zero_stage == 3} (ZeRO-{plan.zero_stage})"
-               + (f", CPUOffloadPolicy ({'+'.join(offload)})" if offload else ""))
-    if offload or (m["dp"] > 1 and plan.zero_stage >= 2):
-        lines.append(f"data parallel: {sharded}")
-    elif m["dp"] > 1:
+    wrapper = data_parallel_wrapper(plan)  # the runtime's own decision
+    if wrapper == "fully_shard":
+        lines.append(f"data parallel: fully_shard per layer and "
+                     f"{'stage module' if m['pp'] > 1 else 'root'}, reshard_after_forward="
+                     f"{plan.zero_stage == 3} (ZeRO-{plan.zero_stage})"
+                     + (f", CPUOffloadPolicy ({'+'.join(offload)})" if offload else ""))
+    elif wrapper == "ddp":
         zero1 = " + ZeroRedundancyOptimizer (ZeRO-1)" if plan.zero_stage == 1 else ""
         base = ("stage gradients averaged over dp after each step" if m["pp"] > 1
                 else "DistributedDataParallel")

@@ -78,16 +78,21 @@ def attention_core_policy(seq: int):
     return policy
 
 
-def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
+def data_parallel_wrapper(plan: Plan) -> str:
     """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses. DDP for
     ZeRO-0/1 (1 adds a sharded optimizer), fully_shard for ZeRO-2 (parameters kept gathered
-    from the forward to the end of the backward) and ZeRO-3, and for offload."""
-    offload = {"optimizer", "params"} & set(plan.offload)
-    if offload:
-        return "fully_shard" if dp_mesh is not None else "none"
-    if dp_mesh is None or plan.mesh["dp"] == 1:
+    from the forward to the end of the backward) and ZeRO-3, and for offload (with one device
+    too). The recipe states it; the runtime applies it."""
+    if {"optimizer", "params"} & set(plan.offload):
+        return "fully_shard"
+    if plan.mesh["dp"] == 1:
         return "none"
     return "ddp" if plan.zero_stage <= 1 else "fully_shard"
+
+
+def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
+    """:func:`data_parallel_wrapper` on this rank: "none" without a data-parallel mesh."""
+    return "none" if dp_mesh is None else data_parallel_wrapper(plan)
 
 
 def shard_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
