@@ -1,7 +1,7 @@
 """Plan a small GPT for 4 CPU processes, compile it, and train it with torchrun.
 
 Run: python examples/train_gpt_cpu.py [OUT_DIR]
-(the same as: autopar compile ... then torchrun --nproc-per-node 4 -m autopar run OUT_DIR)
+(the same as: autopar compile ... then torchrun --nproc-per-node 4 OUT_DIR/train.py)
 """
 
 import subprocess
@@ -19,9 +19,10 @@ plan = autopar.plan(graph, devices=4, cluster="cpu", global_batch=8,
                     constraints={"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b"})
 print(plan.report())
 autopar.compile(model, None, plan, out)
-print(open(f"{out}/recipe.txt").read())
+print(open(f"{out}/train.py").read())  # the program autopar generated from the plan
 
+# run the program itself (`autopar run OUT_DIR` runs the same file)
 subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "4", "-m", "autopar", "run", out, "--steps", "10",
-                "--device", "cpu"], check=True)
+                "--nproc-per-node", "4", f"{out}/train.py", "--steps", "10", "--device", "cpu"],
+               check=True)
 print(open(f"{out}/logs/train.jsonl").read().splitlines()[-1])

@@ -41,21 +41,17 @@ def test_recompiling_keeps_logs(tmp_path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
 
 
-def test_program_dumps_name_ranks_collectives_and_code(tmp_path) -> None:
+def test_compile_writes_the_pipeline_program(tmp_path) -> None:
     graph = autopar.capture("tiny-llama", seq=32)
     plan = autopar.plan(graph, devices=4, global_batch=8,
                         constraints={"pp": 2, "tp": 2, "dp": 1, "sequence_parallel": False})
-    for fqn in plan.placements["params"]:  # a Megatron split, as a user might edit it in
-        if fqn.endswith(("q_proj.weight", "up_proj.weight")):
-            plan.placements["params"][fqn] = "Shard(0)@tp"
-        elif fqn.endswith("o_proj.weight"):
-            plan.placements["params"][fqn] = "Shard(1)@tp"
     out = autopar.compile("tiny-llama", None, plan, tmp_path / "art")
-    stages = sorted((out / "programs").iterdir())
-    assert [p.name for p in stages] == ["stage0.py.txt", "stage1.py.txt"]
-    first, last = (p.read_text() for p in stages)
-    assert "# runs on ranks [0, 1]" in first and "# runs on ranks [2, 3]" in last
-    assert "send activations to the next stage" in first
-    assert "recv activations from the previous stage" in last
-    assert "all_reduce over tp(2) of model.layers.0.self_attn.o_proj's output" in first
-    assert "def forward" in first and "lm_head" in last
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "plan.yaml", "train.py"]
+    text = (out / "train.py").read_text()
+    from autopar.runtime.pipeline import chunk_ranges
+
+    chunks = [list(c) for c in chunk_ranges(plan)]
+    assert f'"chunks": {chunks}' in text and f'"schedule": "{plan.schedule}"' in text
+    assert "def parallelize_stage(stage, mesh, plan, original):" in text
+    manifest, _ = load_artifact(out)
+    assert manifest["program"]["file"] == "train.py"

@@ -62,8 +62,9 @@ def _default_out(model: str, devices: int) -> Path:
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
                 seq: int | None, constraints: str | None, memory_limit_gb: float | None,
                 time_limit_s: float | None, out: str | None, fmt: str, quiet: bool) -> None:
-    """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR
-    (plan.yaml, manifest.json, recipe.txt) that `autopar run DIR` trains under torchrun.
+    """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
+    plan.yaml, manifest.json and train.py, the training program generated from the plan
+    (`autopar run DIR` and `torchrun DIR/train.py` run it).
 
     MODEL is a shipped config name (autopar inspect --list), a Hugging Face config.json or its
     folder, a Python module:factory, or an .onnx file. Read the result again with
@@ -99,13 +100,20 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         from autopar.codegen import compile_artifact
 
         path = compile_artifact(model, None, result, out_dir) / "plan.yaml"
+        from autopar.codegen.artifact import EDITED_FILE
+
+        edited = out_dir / EDITED_FILE  # only ever there when this compile kept one
+        if edited.is_file():
+            click.echo(f"autopar: your edited train.py is kept as {edited}", err=True)
     if fmt == "json":
         click.echo(json.dumps({**result.to_dict(), "plan_file": str(path)}, indent=2))
     else:
         click.echo(result.report(), nl=False)
         click.echo(f"\nwrote {path}")
         if not quiet:
-            hints = [(f"autopar report {out_dir} --out report.html", "the report with plots"),
+            hints = [(f"torchrun --nproc-per-node {result.devices} {out_dir}/train.py",
+                      "train it (the generated program)"),
+                     (f"autopar report {out_dir} --out report.html", "the report with plots"),
                      (f"autopar explain {out_dir} --block K", "why this sharding"),
                      (f"autopar diff {out_dir} OTHER_PLAN", "compare two plans")]
             width = max(len(c) for c, _ in hints)

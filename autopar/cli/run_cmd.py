@@ -22,6 +22,48 @@ def _device_type(cluster: str, override: str | None) -> str:
         return "cpu"
 
 
+def _program(directory: str, manifest: dict, plan) -> object:
+    """The training program to run, as a module: DIR/train.py as autopar wrote it, regenerated
+    when plan.yaml changed since (one process per machine writes it), or as the user edited
+    it (kept, and said so)."""
+    import sys
+    from pathlib import Path
+
+    from autopar.codegen import PROGRAM_FILE, load_program, program_state, regenerate_program
+    from autopar.codegen.program import digest
+    from autopar.errors import PlanError
+
+    path = Path(directory) / PROGRAM_FILE
+    state = program_state(directory)
+    speak = int(os.environ.get("RANK", "0")) == 0
+    note = None
+    if state in ("missing", "stale"):
+        writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        text = regenerate_program(directory, plan, manifest, write=writer)
+        note = (f"{PROGRAM_FILE} was missing" if state == "missing" else
+                f"plan.yaml changed since {PROGRAM_FILE} was generated") + ": regenerated it"
+    else:
+        text = path.read_text()
+        if state == "edited":
+            note = (f"{path} was edited by hand: running it as it is (delete it to "
+                    f"regenerate it from plan.yaml)")
+            if digest((Path(directory) / "plan.yaml").read_bytes()) != \
+                    manifest.get("program", {}).get("plan_sha256"):
+                note += "; plan.yaml changed too, and your program may not follow it"
+    if note and speak:
+        click.echo(f"autopar: {note}", err=True)
+    try:
+        return load_program(text, str(path))
+    except SyntaxError as exc:
+        raise PlanError(f"{path}:{exc.lineno}: {exc.msg}; fix it, or delete it to regenerate "
+                        f"it from plan.yaml") from None
+    except Exception as exc:  # noqa: BLE001 - a hand-edited program's own error, in one line
+        raise PlanError(f"{path} fails to load ({type(exc).__name__}: {exc}); fix it, or "
+                        f"delete it to regenerate it from plan.yaml") from None
+    finally:
+        sys.stderr.flush()
+
+
 @click.command("run")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
@@ -39,7 +81,11 @@ def _device_type(cluster: str, override: str | None) -> str:
               help="Continue from the latest checkpoint in DIR/checkpoints (any plan's).")
 def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
             device: str | None, checkpoint_every: int, resume: bool) -> None:
-    """Train the artifact in DIRECTORY; one JSON line per step goes to DIR/logs/train.jsonl.
+    """Train the artifact in DIRECTORY with its program (DIR/train.py); one JSON line per step
+    goes to DIR/logs/train.jsonl.
+
+    The program is regenerated when plan.yaml changed since it was written; once edited by
+    hand it is run as it is.
 
     \b
     Examples:
@@ -60,14 +106,15 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
+    program = _program(directory, manifest, plan)
     kind = _device_type(plan.cluster, device)
     if world > 1:
         dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
     finished = False
     try:
         log = Path(directory) / "logs" / "train.jsonl"
-        trainer = Trainer(manifest["model"], plan, device=kind, seed=seed, lr=lr, log_path=log,
-                          data=data)
+        trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
+                          lr=lr, log_path=log, data=data)
         ckpt = Path(directory) / "checkpoints"
         if resume:
             trainer.resume(ckpt)

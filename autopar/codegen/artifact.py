@@ -1,9 +1,10 @@
 """``autopar.compile``: write the runnable artifact directory for a plan.
 
-DIR/plan.yaml      the plan (the only thing the runtime reads to decide parallelism)
-DIR/manifest.json  how to rebuild the model on every rank, the world size, versions
-DIR/recipe.txt     what the runtime applies, module by module (for humans and diffs)
-DIR/programs/      per pipeline stage: its ranks, its collectives each step, its FX code
+DIR/plan.yaml      the plan
+DIR/train.py       the training program generated from it (what ``autopar run DIR`` and
+                   ``torchrun DIR/train.py`` execute)
+DIR/manifest.json  how to rebuild the model on every rank, the world size, the library
+                   versions, and the digests that tell a regenerated program from an edited one
 """
 
 from __future__ import annotations
@@ -14,50 +15,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
 from autopar.errors import PlanError
 from autopar.plan import PLAN_VERSION, Plan
-from autopar.runtime.parallelize import data_parallel_wrapper
 from autopar.runtime.source import describe_source
 
-MANIFEST_VERSION = 1
-
-
-def recipe_text(plan: Plan) -> str:
-    """A readable account of what the runtime will do with this plan."""
-    m = plan.mesh
-    lines = [f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}) over "
-             f"{plan.devices} ranks, tp innermost",
-             f"batch: global {plan.global_batch} -> each data-parallel rank "
-             f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches",
-             "weights: built on meta and parallelised there; each rank then allocates and "
-             "initialises only its shards, one module at a time, seeded by (seed, module "
-             "name), so every plan starts from one process's weights"]
-    if m["pp"] > 1:
-        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-        lines.append(f"pipeline: torch.distributed.pipelining, {m['pp'] * v} chunks at blocks "
-                     f"{plan.stages} (v={v}), schedule {plan.schedule}")
-    offload = sorted({"optimizer", "params"} & set(plan.offload))
-    wrapper = data_parallel_wrapper(plan)  # the runtime's own decision
-    if wrapper == "fully_shard":
-        lines.append(f"data parallel: fully_shard per layer and "
-                     f"{'stage module' if m['pp'] > 1 else 'root'}, reshard_after_forward="
-                     f"{plan.zero_stage == 3} (ZeRO-{plan.zero_stage})"
-                     + (f", CPUOffloadPolicy ({'+'.join(offload)})" if offload else ""))
-    elif wrapper == "ddp":
-        zero1 = " + ZeroRedundancyOptimizer (ZeRO-1)" if plan.zero_stage == 1 else ""
-        base = ("stage gradients averaged over dp after each step" if m["pp"] > 1
-                else "DistributedDataParallel")
-        lines.append(f"data parallel: {base}{zero1}")
-    split = {k: v for k, v in plan.placements["params"].items() if "@tp" in v}
-    if split:
-        lines.append("tensor parallel (DTensor, parallelize_module):")
-        for fqn, placement in sorted(split.items()):
-            style = ("ColwiseParallel" if placement.startswith("Shard(0)") else "RowwiseParallel")
-            lines.append(f"  {fqn:<48} {placement:<14} {style}")
-    for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
-        if mode != "none":
-            lines.append(f"recompute {mode:<9} {block['name']}")
-    return "\n".join(lines) + "\n"
+MANIFEST_VERSION = 2
+EDITED_FILE = "train.edited.py"  # a hand-edited program kept when re-compiling
 
 
 def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path
@@ -81,14 +45,15 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
                     "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
                     "model": source, "versions": library_versions()}
+        program = program_text(plan, source)
+        (tmp / PROGRAM_FILE).write_text(program)
+        manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
+                               "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        (tmp / "recipe.txt").write_text(recipe_text(plan))
-        from autopar.codegen.programs import program_dumps
-
-        (tmp / "programs").mkdir()
-        for name, text in program_dumps(source, plan).items():
-            (tmp / "programs" / name).write_text(text)
         if out.exists():
+            if (out / PROGRAM_FILE).is_file() and program_state(out) == "edited":
+                # a hand-edited program is not thrown away: it stays beside the new one
+                shutil.copy(out / PROGRAM_FILE, tmp / EDITED_FILE)
             keep = out / "logs", out / "checkpoints"
             for item in keep:
                 if item.exists():
@@ -99,6 +64,24 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def regenerate_program(directory: str | Path, plan: Plan, manifest: dict, write: bool) -> str:
+    """The program for the (edited) plan.yaml in ``directory``; with ``write``, also written
+    to DIR/train.py with the manifest's digests updated (atomically: one rank writes)."""
+    d = Path(directory)
+    program = program_text(plan, manifest["model"])
+    if write:
+        manifest = dict(manifest)
+        manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
+                               "plan_sha256": digest((d / "plan.yaml").read_bytes())}
+        for name, text in ((PROGRAM_FILE, program),
+                           ("manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
+                            + "\n")):
+            tmp = d / f".{name}.{os.getpid()}.tmp"  # one per writer (shared filesystems)
+            tmp.write_text(text)
+            os.replace(tmp, d / name)
+    return program
 
 
 def library_versions() -> dict[str, str]:

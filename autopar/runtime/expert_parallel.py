@@ -155,13 +155,13 @@ class ExpertParallelExperts(nn.Module):
                 object.__setattr__(inner, name, None)
 
 
-def apply_expert_parallel(model: nn.Module, plan: Plan, ep_mesh: DeviceMesh
+def apply_expert_parallel(model: nn.Module, plan: Plan | None, ep_mesh: DeviceMesh
                           ) -> list[ExpertParallelExperts]:
     """Swap every expert module of ``model`` for its expert-parallel version (in place)."""
     paths = find_experts(model)
     if not paths:
-        raise PlanError(f"the plan has ep={plan.mesh['ep']} but the model has no expert "
-                        f"modules with stacked 3-D parameters; re-plan with ep=1")
+        raise PlanError("the plan splits experts over ep but the model has no expert "
+                        "modules with stacked 3-D parameters; re-plan with ep=1")
     swapped = []
     for path in paths:
         parent_name, _, child = path.rpartition(".")

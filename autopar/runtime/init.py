@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.errors import PlanError
+from autopar.runtime.tp_styles import FUSED_ATTR
 
 # path segments that wrappers insert between a module and its parent; the module's canonical
 # FQN (the one the unwrapped model has) is what its seed and its checkpoint key derive from
@@ -85,11 +86,16 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
     _to_empty(model, device)
     wanted: dict[str, dict[str, list[torch.Tensor]]] = {}
     seen: set[int] = set()
+    rows: dict[int, tuple[int, torch.Tensor]] = {}  # fused projections split per part
     for name, t in _named_tensors(model):
         if id(t) not in seen:
             seen.add(id(t))
             path, attr = keys[name]
             wanted.setdefault(path, {}).setdefault(attr, []).append(t)
+            owner, _, leaf = name.rpartition(".")
+            order = getattr(model.get_submodule(owner), FUSED_ATTR, {}).get(leaf)
+            if order is not None:
+                rows[id(t)] = order
     peak = 0
     for path, (module, chain) in units.items():
         if path not in wanted:
@@ -100,7 +106,10 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
             for attr, targets in wanted[path].items():
                 _check_written(full[attr], f"{path}.{attr}" if path else attr, module)
                 for target in targets:
-                    _fill(target, full[attr])
+                    whole = full[attr]
+                    if id(target) in rows:  # the order the fused split expects
+                        whole = whole.index_select(*rows[id(target)])
+                    _fill(target, whole)
         del full
     local = sum(_local(t).numel() * t.element_size() for t in _unique_tensors(model))
     return InitReport(units=len(wanted), peak_unit_bytes=peak, local_bytes=local)

@@ -9,13 +9,15 @@ from autopar.plan import Plan
 AXES = ("pp", "dp", "ep", "tp")
 
 
-def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The plan's mesh over the current process group (world size == plan.devices)."""
-    shape = tuple(plan.mesh[a] for a in AXES)
+def build_mesh(plan: Plan | dict, device_type: str) -> DeviceMesh:
+    """The plan's mesh (or a {"pp", "dp", "ep", "tp"} degree dict's) over the current process
+    group (world size == plan.devices)."""
+    degrees = plan.mesh if isinstance(plan, Plan) else plan
+    shape = tuple(degrees[a] for a in AXES)
     return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
 
 
-def single_process_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+def single_process_mesh(plan: Plan | dict, device_type: str) -> DeviceMesh:
     """The plan's (all-ones) mesh for a 1-device plan. fully_shard (offload) needs a mesh; in a
     plain process there is no process group yet, so a 1-rank one is made in memory (under
     torchrun the launcher's is used) instead of letting fully_shard start its own."""

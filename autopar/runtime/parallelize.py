@@ -40,18 +40,27 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
                 model.get_submodule(name)
             except AttributeError:
                 continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        kwargs = {}
-        if mode == "selective":
-            # a kept output may be changed in place later in the forward (Mixtral's router
-            # normalises its top-k weights with /=). The recompute then replays the kept
-            # outputs, in-place ops included, without running them again; only the attention
-            # core re-runs, and nothing they read is written in place
-            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts,
-                                           attention_core_policy(seq),
-                                           allow_cache_entry_mutation=True)
-        setattr(parent, child, checkpoint_wrapper(getattr(parent, child), **kwargs))
+        recompute_block(model, name, mode, seq)
+
+
+def recompute_block(model: nn.Module, name: str, mode: str, seq: int) -> None:
+    """Wrap the module at ``name`` for ``mode`` recompute ("full" or "selective", see
+    :func:`apply_recompute`); ``seq`` is the sequence length (selective recompute recognises
+    the seq x seq score tensors)."""
+    if mode == "none":
+        return
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    kwargs = {}
+    if mode == "selective":
+        # a kept output may be changed in place later in the forward (Mixtral's router
+        # normalises its top-k weights with /=). The recompute then replays the kept
+        # outputs, in-place ops included, without running them again; only the attention
+        # core re-runs, and nothing they read is written in place
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts,
+                                       attention_core_policy(seq),
+                                       allow_cache_entry_mutation=True)
+    setattr(parent, child, checkpoint_wrapper(getattr(parent, child), **kwargs))
 
 
 _SDPA = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -82,7 +91,7 @@ def data_parallel_wrapper(plan: Plan) -> str:
     """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses. DDP for
     ZeRO-0/1 (1 adds a sharded optimizer), fully_shard for ZeRO-2 (parameters kept gathered
     from the forward to the end of the backward) and ZeRO-3, and for offload (with one device
-    too). The recipe states it; the runtime applies it."""
+    too). The generated program states it; the runtime applies it."""
     if {"optimizer", "params"} & set(plan.offload):
         return "fully_shard"
     if plan.mesh["dp"] == 1:

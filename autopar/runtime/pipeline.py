@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.init import InitReport, materialize
-from autopar.runtime.parallelize import apply_recompute
 
 _LAYERLESS = ("head", "tail", "root")
 
@@ -91,15 +90,18 @@ def _schedule_class(name: str):
 
 
 def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: str,
-                   example: torch.Tensor, loss_fn, tp_mesh: DeviceMesh | None = None
-                   ) -> tuple[list, object, list[nn.Module]]:
-    """(this rank's PipelineStages, the schedule, their modules). With ``tp_mesh`` each stage
-    module is tensor-parallel over it."""
+                   example: torch.Tensor, loss_fn, lay_out=None, *,
+                   chunks: list[tuple[int, int]] | None = None, schedule: str | None = None,
+                   microbatches: int | None = None) -> tuple[list, object, list[nn.Module]]:
+    """(this rank's PipelineStages, the schedule, their modules). ``lay_out(stage_module)``
+    (the program's ``parallelize_stage``) lays out each stage module of this rank, on meta,
+    before its PipelineStage is built. ``chunks``, ``schedule`` and ``microbatches`` default
+    to the plan's."""
     from torch.distributed.pipelining import pipeline
 
-    from autopar.runtime.tensor_parallel import apply_tensor_parallel, tied_modules
-
-    chunks = chunk_ranges(plan)
+    chunks = chunks if chunks is not None else chunk_ranges(plan)
+    schedule = schedule or plan.schedule
+    microbatches = microbatches or plan.num_microbatches
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
     _untie(model)
     # traced on the whole, unsplit model: tensor parallelism is applied to the stage modules
@@ -112,22 +114,19 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
                         f"{len(chunks)}")
     pp, rank = plan.mesh["pp"], pp_mesh.get_local_rank()
     indices = [i for i in range(len(chunks)) if i % pp == rank]
-    if tp_mesh is not None:
-        tied = tied_modules(model)
+    if lay_out is not None:
         for i in indices:
-            apply_tensor_parallel(pipe.get_stage_module(i), plan, tp_mesh, tied=tied,
-                                  original=model)
+            lay_out(pipe.get_stage_module(i))
     group = pp_mesh.get_group()
     # a meta stage module stays on meta here (build_stage moves only real tensors);
     # materialize_stages allocates it
     stages = [pipe.build_stage(i, torch.device(device), group) for i in indices]
     for stage in stages:
         retarget_graph_devices(stage.submod, torch.device(device))
-    cls = _schedule_class(plan.schedule)
-    multi = plan.schedule in ("interleaved", "zero_bubble")
-    schedule = cls(stages if multi else stages[0], n_microbatches=plan.num_microbatches,
-                   loss_fn=loss_fn)
-    return stages, schedule, [s.submod for s in stages]
+    cls = _schedule_class(schedule)
+    multi = schedule in ("interleaved", "zero_bubble")
+    runner = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return stages, runner, [s.submod for s in stages]
 
 
 def _thread_skip_inputs(pipe) -> None:
@@ -250,19 +249,13 @@ def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
                 code.recompile()
 
 
-def materialize_stages(modules: list[nn.Module], plan: Plan, dp_mesh: DeviceMesh | None,
-                       seed: int, reference: nn.Module, device: str) -> InitReport:
-    """Recompute, fully_shard over dp (ZeRO-2/3, or offload), then allocate and initialise
-    this rank's stage modules (still on meta) from ``reference``, the unsplit meta model: each
-    stage gets the slice of the weights one process would hold, tied copies on different
-    stages included. ZeRO-0/1 stages stay whole (:func:`replicated_stages`)."""
-    from autopar.runtime.parallelize import shard_data_parallel
-
-    reports = []
-    for module in modules:
-        apply_recompute(module, plan, skip_missing=True)
-        shard_data_parallel(module, plan, dp_mesh)
-        reports.append(materialize(module, seed, reference=reference, device=device))
+def materialize_stages(modules: list[nn.Module], seed: int, reference: nn.Module, device: str
+                       ) -> InitReport:
+    """Allocate and initialise this rank's stage modules (laid out, still on meta) from
+    ``reference``, the unsplit meta model: each stage gets the slice of the weights one
+    process would hold, tied copies on different stages included."""
+    reports = [materialize(module, seed, reference=reference, device=device)
+               for module in modules]
     return InitReport(units=sum(r.units for r in reports),
                       peak_unit_bytes=max(r.peak_unit_bytes for r in reports),
                       local_bytes=sum(r.local_bytes for r in reports))

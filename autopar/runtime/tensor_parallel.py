@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
@@ -30,8 +30,16 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.tp_styles import (
+    Conv1dRowwise,
+    FusedColwise,
+    is_conv1d,
+    localize_heads,
+    output_dim,
+)
 
 SEQ = 1  # the sequence dimension of the (batch, sequence, hidden) residual stream
+SHARD_SEQ = f"Shard({SEQ})"
 
 
 def layer_names(plan: Plan) -> list[str]:
@@ -128,78 +136,149 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
         path = fqn[: -len(".weight")]
         if path in tied or path not in present:
             continue
-        out[path] = "col" if placement.startswith("Shard(0)") else "row"
+        # the stored weight's output-feature dimension: 0 for nn.Linear, 1 for Conv1D
+        out[path] = "col" if placement.startswith(f"Shard({output_dim(present[path])})") \
+            else "row"
     return out
 
 
 def _check_kind(path: str, module: nn.Module) -> None:
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
+    if not isinstance(module, (nn.Linear, nn.Embedding)) and not is_conv1d(module):
         raise PlanError(f"the plan splits {path} ({type(module).__name__}) over tp, but only "
-                        f"nn.Linear and nn.Embedding can be split; pin tp=1")
+                        f"nn.Linear, Conv1D and nn.Embedding can be split; pin tp=1")
 
 
 def _under(path: str, prefixes: list[str]) -> str | None:
     return next((p for p in prefixes if path == p or path.startswith(p + ".")), None)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
-                          tied: set[str] | None = None, original: nn.Module | None = None,
-                          whole_logits: bool = False) -> list[str]:
-    """Column/row/vocabulary-parallel modules from the plan's parameter placements, and
-    Megatron sequence parallelism when ``plan.sequence_parallel``.
+@dataclass
+class TensorParallelLayout:
+    """What tensor parallelism does to a model, as source text: ``styles`` maps a module path
+    to the ParallelStyle expression ``parallelize_module`` gets (the generated program prints
+    these lines as they are; :func:`apply_layout` evaluates the same text), ``heads`` maps a
+    split attention module to its (query heads, key/value heads, head size), and ``leaves``
+    lists the split modules a traced pipeline stage must get back as real modules."""
 
-    ``model`` is the whole model, or a pipeline stage traced from ``original`` (then the
-    layers' column-parallel outputs stay DTensors so that the shapes the trace baked into its
-    views stay global). ``tied`` names the tied modules of the original model (a stage holds
-    its own copies). ``whole_logits`` makes a column-parallel LM head gather its output (for a
-    caller's own loss) instead of leaving it split for a vocabulary-parallel loss. Returns the
-    module paths it split.
+    styles: dict[str, str] = field(default_factory=dict)
+    heads: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    leaves: list[str] = field(default_factory=list)
+    fused: dict[str, list[int]] = field(default_factory=dict)  # traced: outputs cut locally
+    traced: bool = False
+
+
+def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False,
+                           tied: set[str] | None = None, whole_logits: bool = False
+                           ) -> TensorParallelLayout:
+    """The plan's column/row/vocabulary-parallel modules (from its parameter placements), and
+    Megatron sequence parallelism when ``plan.sequence_parallel``, for ``model`` (on meta).
+
+    ``traced``: the styles are for pipeline stages traced from ``model`` (the layers'
+    column-parallel outputs then stay DTensors so that the shapes the trace baked into its
+    views stay global). ``tied`` names the tied modules (default: ``model``'s).
+    ``whole_logits`` makes a column-parallel LM head gather its output (for a caller's own
+    loss) instead of leaving it split for a vocabulary-parallel loss.
     """
     tied = tied_modules(model) if tied is None else tied
     split = _split(model, plan, tied)
     for path in split:
-        _check_kind(path, (original if original is not None else model).get_submodule(path))
-    if original is not None:
-        _restore_leaves(model, original, split)
-    if plan.sequence_parallel:
-        if original is not None:
+        _check_kind(path, model.get_submodule(path))
+    fused = {p: parts for p, parts in plan.placements.get("fused", {}).items()
+             if split.get(p) == "col"}
+    layout = TensorParallelLayout(traced=traced)
+    if traced:
+        if plan.sequence_parallel:
             raise PlanError("sequence parallelism inside pipeline stages is not supported "
                             "(stages exchange whole activations); re-plan with constraints "
                             "sequence_parallel=false or pp=1")
-        styles = _sequence_parallel_styles(model, plan, split, whole_logits)
+        layout.leaves = sorted(split)  # a stage may hold any of them as a graph module
+        layout.fused = dict(sorted(fused.items()))
     else:
-        styles = _tensor_parallel_styles(model, plan, split, traced=original is not None,
-                                         whole_logits=whole_logits)
+        present = dict(model.named_modules())
+        for path, heads in plan.placements.get("heads", {}).items():
+            if path in present and any(k == "col" and _under(p, [path])
+                                       for p, k in split.items()):
+                layout.heads[path] = tuple(heads)
+    if plan.sequence_parallel:
+        layout.styles = _sequence_parallel_styles(model, plan, split, fused, whole_logits)
+    else:
+        layout.styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
+    return layout
+
+
+def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
+    """The ParallelStyle objects a layout's source expressions describe (the names they use
+    are the ones the generated program imports)."""
+    names = {"RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
+             "FusedColwise": FusedColwise, "Conv1dRowwise": Conv1dRowwise,
+             "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
+    return {path: eval(src, {"__builtins__": {}}, names)  # noqa: S307 - our own text
+            for path, src in styles.items()}
+
+
+def apply_layout(model: nn.Module, layout: TensorParallelLayout, tp_mesh: DeviceMesh,
+                 original: nn.Module | None = None) -> None:
+    """Apply ``layout`` to ``model`` (a whole model, or a traced stage of ``original``): local
+    head counts for split attention, the original leaf modules back in a traced stage, then
+    ``parallelize_module`` with the styles of the modules ``model`` holds."""
+    present = dict(model.named_modules())
+    for path, heads in layout.heads.items():
+        if path in present:
+            localize_heads(present[path], list(heads), tp_mesh.size())
+    if original is not None:
+        _restore_leaves(model, original, [p for p in layout.leaves if p in present])
+        split_fused_outputs(model, {p: v for p, v in layout.fused.items() if p in present})
+    if layout.traced:
+        _register_cpu_attention_sharding()
+    styles = {p: s for p, s in layout.styles.items() if p in present}
     if styles:
-        parallelize_module(model, tp_mesh, styles)
-    return sorted(split)
+        parallelize_module(model, tp_mesh, build_styles(styles))
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
+                          tied: set[str] | None = None, original: nn.Module | None = None,
+                          whole_logits: bool = False) -> list[str]:
+    """:func:`tensor_parallel_layout` applied (:func:`apply_layout`) to ``model``, the whole
+    model or a stage traced from ``original``. Returns the module paths it split."""
+    base = original if original is not None else model
+    layout = tensor_parallel_layout(base, plan, traced=original is not None, tied=tied,
+                                    whole_logits=whole_logits)
+    apply_layout(model, layout, tp_mesh, original)
+    present = dict(model.named_modules())
+    return sorted(p for p in _split(base, plan, tied if tied is not None
+                                    else tied_modules(base)) if p in present)
 
 
 def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
-                            traced: bool, whole_logits: bool = False
-                            ) -> dict[str, ParallelStyle]:
+                            fused: dict[str, list[int]], traced: bool, whole_logits: bool = False
+                            ) -> dict[str, str]:
     layers = [n for n in layer_names(plan) if n in dict(model.named_modules())]
-    styles: dict[str, ParallelStyle] = {}
+    styles: dict[str, str] = {}
     for path, kind in split.items():
         module = model.get_submodule(path)
         in_layer = _under(path, layers) is not None
+        parts = f"{fused[path]}, " if path in fused else ""
         if isinstance(module, nn.Embedding):
-            styles[path] = RowwiseParallel(input_layouts=Replicate())
+            styles[path] = "RowwiseParallel(input_layouts=Replicate())"
         elif kind == "col" and in_layer:
-            styles[path] = ColwiseParallel(use_local_output=not traced)
+            styles[path] = f"FusedColwise({parts}use_local_output={not traced})"
         elif kind == "col" and (traced or whole_logits):  # whole logits: a pipeline's last
             # stage, or a caller's own loss
-            styles[path] = ColwiseParallel(output_layouts=Replicate())
+            styles[path] = "FusedColwise(output_layouts=Replicate())"
         elif kind == "col":  # the LM head: logits stay split over the vocabulary (the loss is
-            styles[path] = ColwiseParallel(use_local_output=False)  # vocabulary-parallel)
+            styles[path] = "FusedColwise(use_local_output=False)"  # vocabulary-parallel)
         else:
-            styles[path] = RowwiseParallel()
+            styles[path] = "Conv1dRowwise()"
     if traced:
-        _register_cpu_attention_sharding()
         for region in _regions(model, layers, split):
             if any(_under(p, [region]) for p in split):
-                styles[region] = Relayout(replicate_rest=True)
-    return styles
+                styles[region] = "Relayout(replicate_rest=True)"
+    return _in_model_order(model, styles)
+
+
+def _in_model_order(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return dict(sorted(styles.items(), key=lambda kv: order[kv[0]]))
 
 
 def _regions(model: nn.Module, layers: list[str], split: dict[str, str]) -> list[str]:
@@ -213,7 +292,8 @@ def _regions(model: nn.Module, layers: list[str], split: dict[str, str]) -> list
 
 
 def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
-                              whole_logits: bool = False) -> dict[str, ParallelStyle]:
+                              fused: dict[str, list[int]], whole_logits: bool = False
+                              ) -> dict[str, str]:
     """Megatron-SP: the residual stream between layers is a DTensor sharded on the sequence;
     norms run on their shard; each region all-gathers its input and its row-parallel output
     reduce-scatters; the LM head gathers the final norm's output."""
@@ -228,7 +308,7 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
               if _has_params(m) and not list(m.children())]
     head_side = [(n, m) for i, n, m in leaves if i < first]
     tail_side = [(n, m) for i, n, m in leaves if i > last_inner]
-    styles: dict[str, ParallelStyle] = {}
+    styles: dict[str, str] = {}
     # the embedding reduce-scatters straight onto the sequence shards when it alone makes the
     # stream; otherwise (token + position embeddings) the first layer takes its shard
     lone = len(head_side) == 1 and head_side[0][0] in split
@@ -239,48 +319,49 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
             raise PlanError(f"the plan splits {name} before the first layer; sequence "
                             f"parallelism expects only embeddings there; re-plan with "
                             f"constraints sequence_parallel=false")
-        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQ),
-                                       use_local_output=False) if lone else \
-            RowwiseParallel(input_layouts=Replicate())
-    styles[layers[0]] = Relayout(inputs=(Replicate(), Shard(SEQ)))
+        styles[name] = (f"RowwiseParallel(input_layouts=Replicate(), output_layouts={SHARD_SEQ}, "
+                        "use_local_output=False)") if lone else \
+            "RowwiseParallel(input_layouts=Replicate())"
+    styles[layers[0]] = f"Relayout(inputs=(Replicate(), {SHARD_SEQ}))"
     for region in _regions(model, layers, split):
         kinds = {k for p, k in split.items() if _under(p, [region])}
         # a split region takes the gathered input as a DTensor, so that its backward
         # reduce-scatters the input gradient; a replicated one computes on plain tensors
-        styles[region] = Relayout(inputs=(Shard(SEQ), Replicate()), local_input="col" not in kinds,
-                                  outputs=None if "row" in kinds else (Replicate(), Shard(SEQ)))
+        outputs = "None" if "row" in kinds else f"(Replicate(), {SHARD_SEQ})"
+        styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), "
+                          f"local_input={'col' not in kinds}, outputs={outputs})")
     for name in layers:
         for child, module in model.get_submodule(name).named_children():
             if _is_norm(module):
-                styles[f"{name}.{child}"] = SequenceParallel(sequence_dim=SEQ)
+                styles[f"{name}.{child}"] = f"SequenceParallel(sequence_dim={SEQ})"
     for path, kind in split.items():
         if _under(path, layers) is None:
             continue
-        styles[path] = ColwiseParallel() if kind == "col" else \
-            RowwiseParallel(output_layouts=Shard(SEQ), use_local_output=False)
+        styles[path] = (f"FusedColwise({fused[path]})" if path in fused else "FusedColwise()") \
+            if kind == "col" else \
+            f"Conv1dRowwise(output_layouts={SHARD_SEQ}, use_local_output=False)"
     for name, module in tail_side:
         if _is_norm(module):
-            styles[name] = SequenceParallel(sequence_dim=SEQ)
+            styles[name] = f"SequenceParallel(sequence_dim={SEQ})"
         elif split.get(name) == "col":
-            styles[name] = ColwiseParallel(input_layouts=Shard(SEQ), output_layouts=Replicate()) \
-                if whole_logits else ColwiseParallel(input_layouts=Shard(SEQ),
-                                                     use_local_output=False)
+            styles[name] = f"FusedColwise(input_layouts={SHARD_SEQ}, " + \
+                ("output_layouts=Replicate())" if whole_logits else "use_local_output=False)")
         elif name in split:
             raise PlanError(f"the plan splits {name} by rows after the last layer; sequence "
                             f"parallelism expects a column-parallel or replicated LM head; "
                             f"re-plan with constraints sequence_parallel=false")
         else:
-            styles[name] = Relayout(inputs=(Shard(SEQ), Replicate()), local_input=True)
-    return styles
+            styles[name] = f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True)"
+    return _in_model_order(model, styles)
 
 
-def _restore_leaves(stage: nn.Module, original: nn.Module, split: dict[str, str]) -> None:
+def _restore_leaves(stage: nn.Module, original: nn.Module, split: list[str]) -> None:
     """Put the original nn.Linear / nn.Embedding back where a traced stage holds a graph
     module for a split leaf: PyTorch's TP styles accept only the real module types. The
     stage calls the leaf with its one input and shares the original's parameters."""
     for path in split:
         leaf = stage.get_submodule(path)
-        if isinstance(leaf, (nn.Linear, nn.Embedding)):
+        if isinstance(leaf, (nn.Linear, nn.Embedding)) or is_conv1d(leaf):
             continue
         module = original.get_submodule(path)
         graph = getattr(leaf, "graph", None)
@@ -291,6 +372,58 @@ def _restore_leaves(stage: nn.Module, original: nn.Module, split: dict[str, str]
                             f"parallelism cannot wrap; re-plan with tp=1 or pp=1")
         parent, _, child = path.rpartition(".")
         setattr(stage.get_submodule(parent) if parent else stage, child, module)
+
+
+def split_fused_outputs(stage: nn.Module, fused: dict[str, list[int]]) -> None:
+    """In a traced pipeline stage, cut each fused projection's output into its parts on the
+    local shards: the trace cuts it at global offsets, which on the per-part split weight
+    (see tp_styles) would gather it whole. Each part becomes a DTensor sharded like the
+    projection's output, holding this rank's heads of that part."""
+    for path, parts in fused.items():
+        parent_name, _, child = path.rpartition(".")
+        parent = stage.get_submodule(parent_name) if parent_name else stage
+        graph = getattr(parent, "graph", None)
+        call = next((n for n in graph.nodes if n.op == "call_module" and n.target == child),
+                    None) if graph is not None else None
+        users = list(call.users) if call is not None else []
+        names = {str(getattr(u.target, "__name__", u.target)).split(".")[0] for u in users}
+        slices = names <= {"slice"}
+        if not users or not (slices or (len(users) == 1 and
+                                        names <= {"split", "split_with_sizes", "chunk"})):
+            raise PlanError(f"the traced pipeline stage uses {path}'s fused output in a form "
+                            f"it cannot cut per part; re-plan with tp=1 or pp=1")
+        for user in users:
+            user.target = _cut_part if slices else _cut_parts
+            user.kwargs = {**user.kwargs, "parts": tuple(parts)}
+        if hasattr(parent, "recompile"):
+            parent.recompile()
+
+
+def _local_parts(x, parts: tuple[int, ...], dim: int):
+    from torch.distributed.tensor import DTensor
+
+    tp = x.device_mesh.size()
+    dim = dim % x.ndim
+    pieces = x.to_local().split([p // tp for p in parts], dim)
+    return tuple(DTensor.from_local(piece, x.device_mesh, x.placements, run_check=False)
+                 for piece in pieces)
+
+
+def _cut_parts(x, _size, dim: int = 0, *, parts: tuple[int, ...] = ()):
+    """aten.split or aten.chunk of a fused output, on the local shards (see
+    :func:`split_fused_outputs`)."""
+    return _local_parts(x, parts, dim)
+
+
+def _cut_part(x, dim: int = 0, start: int | None = None, end: int | None = None,
+              step: int = 1, *, parts: tuple[int, ...] = ()):
+    """aten.slice of a fused output at a part's global offsets, on the local shards."""
+    offsets = [sum(parts[:i]) for i in range(len(parts))]
+    start = 0 if start is None else start
+    if start not in offsets:
+        raise PlanError(f"a fused projection's output is cut at {start}, not at a part boundary "
+                        f"{offsets}; re-plan with tp=1 or pp=1")
+    return _local_parts(x, parts, dim)[offsets.index(start)]
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -18,18 +19,11 @@ from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.runtime.apply import check_module_paths
 from autopar.runtime.expert_parallel import (
+    ExpertParallelExperts,
     check_expert_parallel,
-    replicate_expert_data_parallel,
-    shard_expert_data_parallel,
     sync_expert_grads,
 )
 from autopar.runtime.init import InitReport, materialize
-from autopar.runtime.parallelize import (
-    apply_recompute,
-    apply_tensor_parallel,
-    replicate_data_parallel,
-    shard_data_parallel,
-)
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
 
@@ -83,7 +77,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    """Train ``source`` (an artifact manifest's model source) under ``plan``.
+    """Train ``source`` (an artifact manifest's model source) under ``plan``, laid out by
+    ``program``: the generated training program (autopar.codegen.program), loaded as a module.
 
     Runs in the current process group (torchrun, or a test's spawned ranks); with one device
     it needs none. ``device`` overrides the plan cluster's device type (e.g. ``"cpu"``).
@@ -96,9 +91,10 @@ class Trainer:
 
     init_report: InitReport  # this rank's materialisation: units, peak, local bytes
 
-    def __init__(self, source: dict, plan: Plan, *, device: str = "cpu", seed: int = 0,
-                 lr: float = 1e-3, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 log_path: str | Path | None = None, data: str = "synthetic") -> None:
+    def __init__(self, source: dict, plan: Plan, *, program: ModuleType, device: str = "cpu",
+                 seed: int = 0, lr: float = 1e-3, warmup_steps: int = 0,
+                 grad_clip: float = 1.0, log_path: str | Path | None = None,
+                 data: str = "synthetic") -> None:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
@@ -124,66 +120,41 @@ class Trainer:
                             "constraints pp=1")
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
-        self.dp_rank, dp_mesh, self.pipe, self.experts = 0, None, None, []
+        self.pipe = None
         self.replicated = False  # a pipeline's ZeRO-0/1 replicas (gradients all-reduced)
-        if world > 1:
-            from autopar.runtime.mesh import build_mesh
+        # the generated program lays the model out: its mesh, then its parallelize functions
+        mesh = program.build_mesh(device)
+        dp_mesh = mesh["dp"] if mesh is not None else None
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        if plan.mesh["ep"] > 1:
+            from autopar.runtime.expert_parallel import data_rank, dense_mesh
 
-            mesh = build_mesh(plan, device)
-            dp_mesh = mesh["dp"]
-            self.dp_rank = dp_mesh.get_local_rank()
-            if plan.mesh["tp"] > 1 and plan.mesh["pp"] == 1:  # pipelines split stages first
-                apply_tensor_parallel(model, plan, mesh["tp"])
-            if plan.mesh["ep"] > 1:
-                from autopar.runtime.expert_parallel import (
-                    apply_expert_parallel,
-                    data_rank,
-                    dense_mesh,
-                )
-
-                self.experts = apply_expert_parallel(model, plan, mesh["ep"])
-                self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
-        if world == 1 and {"optimizer", "params"} & set(plan.offload):
-            from autopar.runtime.mesh import single_process_mesh
-
-            mesh = single_process_mesh(plan, device)
-            dp_mesh = mesh["dp"]
+            self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
-            model, replicated = self._pipeline(model, reference, plan, mesh, device, dp_mesh)
-            zero1 = replicated and plan.zero_stage == 1
+            model = self._pipeline(model, reference, plan, mesh, device, dp_mesh, program)
         else:
-            apply_recompute(model, plan)
-            if self.experts:
-                shard_expert_data_parallel(model, plan, mesh, self.experts)
-            else:
-                shard_data_parallel(model, plan, dp_mesh)
+            program.parallelize(model, mesh, plan)
             self.init_report = materialize(model, seed, reference=reference, device=device)
             # DDP broadcasts and buckets real tensors: only after materialize
-            model, zero1 = (replicate_expert_data_parallel(model, plan, mesh, self.experts),
-                            False) if self.experts else \
-                replicate_data_parallel(model, plan, dp_mesh)
+            model = program.replicate(model, mesh, plan)
+        self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
         # the ranks whose losses make up the global mean: dp, or dp x ep under expert parallelism
         self.replica_group = dense_mesh(mesh).get_group() if self.experts else self.dp_group
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if zero1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.optimizer = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=lr,
-                                                     process_group=self.dp_group)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=lr)
+        self.optimizer = program.build_optimizer(params, mesh, lr)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.log_path = Path(log_path) if log_path else None
         self.step_index = 0
 
     def _pipeline(self, model: nn.Module, reference: nn.Module, plan: Plan, mesh, device: str,
-                  dp_mesh) -> tuple[nn.Module, bool]:
-        """Split the meta model into this rank's stage modules, wrap and materialize them;
-        returns them as one ModuleList, and whether they are DDP-replicated (ZeRO-0/1)."""
+                  dp_mesh, program: ModuleType) -> nn.Module:
+        """Split the meta model at the program's chunks into this rank's stage modules, lay
+        each out with the program's ``parallelize_stage``, materialize them; returns them as
+        one ModuleList."""
         from autopar.runtime.pipeline import (
             build_pipeline,
             materialize_stages,
@@ -193,14 +164,20 @@ class Trainer:
 
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
-        tp_mesh = mesh["tp"] if plan.mesh["tp"] > 1 else None
-        stages, self.pipe, modules = build_pipeline(model, plan, mesh["pp"], device, example,
-                                                    _lm_loss, tp_mesh)
+        spec = program.PIPELINE
+        original = model
+
+        def lay_out(stage: nn.Module) -> None:
+            program.parallelize_stage(stage, mesh, plan, original)
+
+        stages, self.pipe, modules = build_pipeline(
+            model, plan, mesh["pp"], device, example, _lm_loss, lay_out,
+            chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
+            microbatches=spec["microbatches"])
         self.pp_group = mesh["pp"].get_group()
-        self.init_report = materialize_stages(modules, plan, dp_mesh, self.seed, reference,
-                                              device)
+        self.init_report = materialize_stages(modules, self.seed, reference, device)
         self.replicated = replicated_stages(plan, dp_mesh)
-        return nn.ModuleList(modules), self.replicated
+        return nn.ModuleList(modules)
 
     def _pipeline_step(self, mine: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.pipeline import sync_tied_grads

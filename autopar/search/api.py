@@ -6,15 +6,15 @@ from pathlib import Path
 
 from torch import nn
 
-from autopar.cost.config import ENGINES, ParallelConfig
+from autopar.cost.config import ENGINES
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.precision import default_precision
-from autopar.cost.tp_layout import tp_layout, vocab_parallel
 from autopar.errors import PlanError
-from autopar.ir.graph import Graph, OpKind
+from autopar.ir.graph import Graph
 from autopar.plan.plan import Plan, round6
 from autopar.search import record
 from autopar.search.constraints import load_constraints
+from autopar.search.placements import placements
 from autopar.search.planner import Progress, SearchResult, search
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
@@ -101,8 +101,8 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
                         f"{devices} devices")
     if "tp" in pins and not facts.tp_ok(pins["tp"]):
         ok = [t for t in range(1, devices + 1) if devices % t == 0 and facts.tp_ok(t)]
-        raise PlanError(f"tp={pins['tp']} does not divide the attention heads "
-                        f"{list(facts.heads)} and projection sizes; use tp in {ok}")
+        raise PlanError(f"tp={pins['tp']} does not divide the layers' projection sizes "
+                        f"{list(facts.split_dims)}; use tp in {ok}")
     if "ep" in pins and not facts.ep_ok(pins["ep"]):
         raise PlanError(f"ep={pins['ep']} does not divide the model's {facts.experts} experts"
                         if facts.experts else
@@ -113,44 +113,6 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
     if isinstance(modes, tuple) and len(modes) != facts.blocks:
         raise PlanError(f"recompute lists {len(modes)} modes for the model's {facts.blocks} "
                         f"blocks; give one mode per block or a single mode")
-
-
-def _placements(graph: Graph, config: ParallelConfig) -> dict:
-    params: dict[str, str] = {}
-    nodes: dict[str, dict[str, str]] = {}
-    zero = "+Shard(0)@dp" if config.zero_stage == 3 else ""
-    # an expert weight may first be read by a plain indexing op: decide by any expert use
-    experts = {p for op in graph.ops if op.kind is OpKind.MOE_EXPERT for p in op.params}
-    for block in graph.blocks:
-        layout = tp_layout(graph, block, config.tp_layouts)
-        per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
-            else None
-        for name in block.nodes:
-            op = graph.op(name)
-            if op.kind is OpKind.MOE_EXPERT or (experts and set(op.params) <= experts
-                                                 and op.params):
-                where = "Shard(0)@ep" if config.ep > 1 else "Replicate"
-            elif name in layout.column and config.tp > 1:
-                where = "Shard(0)@tp"  # output features split: column parallel
-            elif name in layout.row and config.tp > 1:
-                where = "Shard(1)@tp"  # input features split: row parallel
-            elif vocab_parallel(graph, name, config.tp):
-                where = "Shard(0)@tp"  # vocabulary split
-            else:
-                where = "Replicate"
-            for p in op.params:
-                if params.get(p, "Replicate") == "Replicate":
-                    params[p] = where + zero if where != "Replicate" or not zero else "Shard(0)@dp"
-            if per_node is not None:
-                if name in layout.column:
-                    per_node[name] = "column"
-                elif name in layout.row:
-                    per_node[name] = "row"
-                elif name in layout.sharded:
-                    per_node[name] = "split"
-    for p in graph.params:
-        params.setdefault(p, "Shard(0)@dp" if zero else "Replicate")
-    return {"params": dict(sorted(params.items())), "nodes_by_block_type": nodes}
 
 
 def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_batch: int,
@@ -189,7 +151,7 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
         virtual_stages=config.virtual_stages, sequence_parallel=config.sequence_parallel,
         recompute=recompute, offload=sorted(config.offload),
         stages=[list(s) for s in (config.stages or ())],
-        placements=_placements(graph, config),
+        placements=placements(graph, config),
         predicted=record.predicted(graph, cluster, config, est, task,
                                    result.robust.get("checks")),
         alternatives=[record.runner_up(graph, cluster, c, e, est, task)

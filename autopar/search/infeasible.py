@@ -19,7 +19,8 @@ def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, device
                 f"({'; '.join(sorted(reasons or ()))}); relax those constraints")
     if leanest is None:
         return (f"no legal plan for {devices} devices and global batch {global_batch}: every "
-                f"mesh is ruled out by divisibility (heads {list(facts.heads)}, "
+                f"mesh is ruled out by divisibility (projection sizes "
+                f"{list(facts.split_dims)}, "
                 f"{facts.blocks} blocks, batch per replica) or by the constraints; use a global "
                 f"batch divisible by the data-parallel degree, another device count, or fewer "
                 f"constraints")

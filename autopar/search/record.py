@@ -137,8 +137,8 @@ def _exclusion(facts: ModelFacts, tp: int, pp: int, dp: int, ep: int, global_bat
                devices_per_node: int, cross_node: bool, pins: dict) -> tuple[str, str] | None:
     """(bound, reason) that rules a mesh out before costing, or None when it is legal."""
     if not facts.tp_ok(tp):
-        return "divisibility", (f"tp={tp} does not divide the heads {list(facts.heads)} or "
-                                f"projection sizes")
+        return "divisibility", (f"tp={tp} does not divide the projection sizes "
+                                f"{list(facts.split_dims)}")
     if not facts.ep_ok(ep):
         return "divisibility", f"ep={ep} does not divide {facts.experts} experts"
     if pp > facts.blocks:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from autopar.capture.op_costs import packet_name
-from autopar.cost.activations import requires_grad
+from autopar.cost.activations import requires_grad, storage_root
 from autopar.cost.comm import axis_collective_time
 from autopar.cost.compute import op_time
 from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
+from autopar.search.placements import fused_segments
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
 _SPLIT_REDUCTIONS = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
@@ -48,7 +49,9 @@ def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
     op = graph.op(name)
     if op.kind is OpKind.LINEAR and op.params:
         out = ["R"]
-        if op.output_meta[0].shape[-1] % tp == 0:
+        # a fused projection (q|k|v, gate|up) splits part by part: every part must divide
+        parts = fused_segments(graph, name) or [op.output_meta[0].shape[-1]]
+        if all(p % tp == 0 for p in parts):
             out.append("C")
         if op.input_meta and op.input_meta[0].shape[-1] % tp == 0:
             out.append("W")
@@ -58,9 +61,21 @@ def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
     if op.kind is OpKind.REDUCTION and packet_name(op.target) not in _SPLIT_REDUCTIONS:
         return ["R"]
     if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4 and \
-            op.input_meta[0].shape[1] % tp:
-        return ["R"]
+            any(h % tp for h in _heads(graph, op)):
+        return ["R"]  # split by whole query and key/value heads, or not at all
     return ["R", "S"]
+
+
+def _heads(graph: Graph, op: OpNode) -> tuple[int, ...]:
+    """Query heads, then key/value heads before any grouped-query repetition."""
+    heads = [op.input_meta[0].shape[1]]
+    for i in (1, 2):
+        if i < len(op.inputs):
+            root = storage_root(graph, op.inputs[i])
+            meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
+            if len(meta.shape) == 4:
+                heads.append(meta.shape[1])
+    return tuple(heads)
 
 
 def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str) -> float:

@@ -36,7 +36,9 @@ class ModelFacts:
     seq: int
 
     def tp_ok(self, tp: int) -> bool:
-        return all(h % tp == 0 for h in self.heads) and all(d % tp == 0 for d in self.split_dims)
+        """Whether the layers' projections split evenly over ``tp``. Heads need not divide:
+        the sharding solver keeps an attention whose heads do not divide replicated."""
+        return all(d % tp == 0 for d in self.split_dims)
 
     def ep_ok(self, ep: int) -> bool:
         return ep == 1 or (self.experts > 0 and self.experts % ep == 0)

@@ -27,9 +27,8 @@ def test_compile_then_run_under_torchrun(tmp_path) -> None:
     made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
-    assert {p.name for p in art.iterdir()} == {"plan.yaml", "manifest.json", "recipe.txt",
-                                               "programs"}
-    assert "fully_shard" in (art / "recipe.txt").read_text()
+    assert {p.name for p in art.iterdir()} == {"plan.yaml", "manifest.json", "train.py"}
+    assert "fully_shard(" in (art / "train.py").read_text()
     result = _torchrun(2, "run", str(art), "--steps", "3", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (art / "logs" / "train.jsonl").read_text().splitlines()]

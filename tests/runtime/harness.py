@@ -13,7 +13,7 @@ from autopar.cost.profile_comm import free_port
 
 def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict, steps: int,
             seed: int, checkpoint_dir: str | None = None, resume: bool = False,
-            data: str = "synthetic", probe=None) -> None:
+            data: str = "synthetic", probe=None, program: str = "") -> None:
     import torch
     import torch.distributed as dist
 
@@ -26,7 +26,10 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))
-        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=seed, data=data)
+        from autopar.codegen import load_program
+
+        trainer = Trainer(source, Plan.from_dict(plan_dict), program=load_program(program),
+                          device="cpu", seed=seed, data=data)
         if resume:
             trainer.resume(checkpoint_dir)
         losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
@@ -90,9 +93,13 @@ def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: floa
               checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
               probe=None) -> tuple:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
-    many of its parameters are sharded DTensors). ``probe``, a module-level function of the
+    many of its parameters are sharded DTensors). Every rank runs the program autopar
+    generates for ``plan`` (what train.py holds). ``probe``, a module-level function of the
     Trainer, runs on every rank after training (collectives allowed); rank 0's result is
     appended as a third item."""
+    from autopar.codegen import program_text
+
+    program = program_text(plan, source)
     return spawn_ranks(_worker, plan.devices,
                        (plan.devices, source, plan.to_dict(), steps, seed, checkpoint_dir, resume,
-                        data, probe), timeout_s)[0]
+                        data, probe, program), timeout_s)[0]

@@ -122,7 +122,8 @@ def test_world_size_mismatch_is_refused_before_work(gpt) -> None:
 
     source, graph = gpt
     with pytest.raises(autopar.PlanError, match="torchrun --nproc-per-node 2"):
-        Trainer(source, _plan(graph, 2, dp=2, microbatch_size=1), device="cpu")
+        Trainer(source, _plan(graph, 2, dp=2, microbatch_size=1), program=None,
+                device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +222,7 @@ def test_a_hand_edited_plan_the_runtime_cannot_honour_is_refused(gpt) -> None:
     plan = _plan(graph, 4, dp=2, tp=2, zero_stage=2, microbatch_size=1)
     plan.zero_stage = 1
     with pytest.raises(autopar.PlanError, match="ZeRO-1 with tensor parallelism"):
-        Trainer(source, plan, device="cpu")
+        Trainer(source, plan, program=None, device="cpu")
     with pytest.raises(autopar.InfeasibleError):
         _plan(graph, 4, dp=2, tp=2, zero_stage=1, microbatch_size=1)
 

@@ -30,7 +30,7 @@ def test_a_plan_for_another_model_is_refused() -> None:
     other = describe_source(GPT(GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2,
                                           n_heads=4)))
     with pytest.raises(autopar.PlanError, match="planned for another model"):
-        Trainer(other, plan, device="cpu")
+        Trainer(other, plan, program=None, device="cpu")
 
 
 def test_other_library_releases_are_refused(tmp_path) -> None:

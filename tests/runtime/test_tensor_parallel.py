@@ -57,6 +57,7 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from autopar.codegen import generated_program
     from autopar.plan import Plan
     from autopar.runtime import Trainer
 
@@ -66,7 +67,8 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         plan = Plan.from_dict(plan_dict)
-        trainer = Trainer(source, plan, device="cpu", seed=0)
+        trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu",
+                          seed=0)
         losses = [trainer.train_step() for _ in range(STEPS - 1)]
         per_module: dict[str, dict[str, int]] = {}
         if plan.num_microbatches == 1:
@@ -225,4 +227,4 @@ def test_pipeline_x_sequence_parallel_is_refused(gpt4) -> None:
     plan = _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=False, **FOUR_MICROBATCHES)
     plan.sequence_parallel = True
     with pytest.raises(autopar.PlanError, match="sequence_parallel=false or pp=1"):
-        Trainer(source, plan, device="cpu")
+        Trainer(source, plan, program=None, device="cpu")

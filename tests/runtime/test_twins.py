@@ -19,7 +19,11 @@ from .harness import run_ranks
 
 pytestmark = pytest.mark.dist
 STEPS = 4
-TWINS = [("llama3-8b", "tiny-llama")]  # the fused-projection models join when those split
+# (full-size model, its tiny twin, the tp the full-size layout is planned at)
+TWINS = [("llama3-8b", "tiny-llama", 8), ("phi3-mini", "tiny-phi3", 8),
+         ("gpt-neox-20b", "tiny-gpt-neox", 8), ("gpt2-xl", "tiny-gpt2", 8),
+         ("gpt3-175b", "tiny-gpt2", 8)]  # GPT-2 XL's 25 heads keep its attention whole at
+# tp=8; GPT-3 175B (in GPT-2's architecture) splits the fused Conv1D c_attn per head
 
 
 def _logits_layout(trainer) -> str:
@@ -35,18 +39,18 @@ def _pattern(fqn: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
-def _full_size_layout(name: str) -> dict[str, str]:
-    graph = autopar.capture(name, seq=4096)
-    plan = autopar.plan(graph, devices=8, global_batch=8,
-                        constraints=dict(tp=8, pp=1, sequence_parallel=False))
+def _full_size_layout(name: str, tp: int) -> dict[str, str]:
+    graph = autopar.capture(name, seq=1024)
+    plan = autopar.plan(graph, devices=tp, global_batch=tp, memory_limit_gb=1e6,  # the layout
+                        constraints=dict(tp=tp, pp=1, sequence_parallel=False))
     return {_pattern(k): v for k, v in plan.placements["params"].items()}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-@pytest.mark.parametrize("full,tiny", TWINS, ids=[t[1] for t in TWINS])
-def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str,
+@pytest.mark.parametrize("full,tiny,full_tp", TWINS, ids=[t[0] for t in TWINS])
+def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str, full_tp: int,
                                                 sequence_parallel: bool) -> None:
-    layout = _full_size_layout(full)
+    layout = _full_size_layout(full, full_tp)
     graph = autopar.capture(tiny, seq=32)
     source = describe_source(tiny)
     plan = autopar.plan(graph, devices=2, global_batch=4,
@@ -55,11 +59,44 @@ def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str,
     params = plan.placements["params"]
     for fqn in params:
         params[fqn] = layout[_pattern(fqn)]
-    split = sum(1 for v in params.values() if v.startswith("Shard"))
-    assert split >= 7 * len(graph.layer_blocks) + 1  # q, k, v, o, gate, up, down + head
+    split = sum(1 for k, v in params.items() if v.startswith("Shard") and k.endswith("weight"))
+    per_layer = {k for k, v in layout.items() if v.startswith("Shard") and ".*." in k
+                 and k.endswith("weight")}
+    assert len(per_layer) >= 2  # at least a column- and a row-parallel projection per layer
+    assert split >= len(per_layer) * len(graph.layer_blocks)
     reference, _ = run_ranks(source, autopar.plan(graph, devices=1, global_batch=4,
                                                   constraints=dict(microbatch_size=2)), STEPS)
     losses, sharded, logits = run_ranks(source, plan, STEPS, probe=_logits_layout)
-    assert sharded == split  # every weight the layout splits is a sharded DTensor
-    assert logits == "S(2)"  # split over the vocabulary, as the cost model prices
+    biases = sum(1 for k, v in params.items() if v.startswith("Shard") and k.endswith("bias"))
+    assert sharded == split + biases  # every tensor the layout splits is a sharded DTensor
+    # split over the vocabulary (as the cost model prices) when the head is split; a head
+    # tied to the embedding stays whole
+    head = params.get("lm_head.weight", "Replicate")
+    assert logits == ("S(2)" if head.startswith("Shard") else "whole")
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.parametrize("full,tiny,full_tp", [t for t in TWINS if t[0] in
+                                              ("phi3-mini", "gpt3-175b")],
+                         ids=["phi3-mini", "gpt3-175b"])
+def test_fused_projections_split_inside_pipeline_stages(full: str, tiny: str,
+                                                        full_tp: int) -> None:
+    """Traced pipeline stages cut a fused projection's output at global offsets; the runtime
+    cuts it per part on the local shards instead (pp2 x tp2, the full-size layout)."""
+    layout = _full_size_layout(full, full_tp)
+    graph = autopar.capture(tiny, seq=32)
+    source = describe_source(tiny)
+    plan = autopar.plan(graph, devices=4, global_batch=4,
+                        constraints=dict(tp=2, dp=1, pp=2, microbatch_size=1, schedule="1f1b",
+                                         sequence_parallel=False))
+    params = plan.placements["params"]
+    for fqn in params:
+        params[fqn] = layout[_pattern(fqn)]
+    assert plan.placements["fused"]  # the twin's fused projections are recorded ...
+    fused = {p for p in plan.placements["fused"] if params[p + ".weight"].startswith("Shard")}
+    assert fused  # ... and the full-size layout splits them
+    reference, _ = run_ranks(source, autopar.plan(graph, devices=1, global_batch=4,
+                                                  constraints=dict(microbatch_size=1)), STEPS)
+    losses, sharded = run_ranks(source, plan, STEPS)
+    assert sharded > 0
     assert losses == pytest.approx(reference, rel=1e-4)

@@ -42,6 +42,16 @@ def _partitions(blocks: int, pp: int):
 
 def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float,
                 pins: dict, layouts: dict) -> float:
+    """The fastest fitting plan, tensor-parallel groups inside a node; as the planner does,
+    groups across nodes only when nothing fits that way."""
+    best = _brute_force(graph, cluster, devices, global_batch, capacity, pins, layouts, False)
+    if best == float("inf"):
+        best = _brute_force(graph, cluster, devices, global_batch, capacity, pins, layouts, True)
+    return best
+
+
+def _brute_force(graph, cluster, devices: int, global_batch: int, capacity: float,
+                 pins: dict, layouts: dict, cross_node: bool) -> float:
     facts = model_facts(graph)
     moe = facts.experts > 0
     precision = default_precision(cluster.device)
@@ -50,7 +60,7 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
     for tp, pp, ep in itertools.product(_divisors(devices), repeat=3):
         if devices % (tp * pp * ep) or pp > nblocks or not facts.tp_ok(tp):
             continue
-        if tp > cluster.devices_per_node or cluster.devices_per_node % tp:
+        if not cross_node and (tp > cluster.devices_per_node or cluster.devices_per_node % tp):
             continue  # tensor-parallel groups stay whole inside a node
         if ep > 1 and not facts.ep_ok(ep):
             continue

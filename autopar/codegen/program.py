@@ -1,0 +1,368 @@
+"""The training program ``autopar compile`` writes beside plan.yaml (``train.py``): the plan's
+mesh, tensor-parallel styles, recompute, data-parallel sharding, pipeline split and optimizer
+as plain PyTorch statements. ``autopar run DIR`` and ``torchrun DIR/train.py`` execute it;
+tests load the same text, so what is generated is what runs.
+
+The program defines the functions the runtime's Trainer calls, in this order:
+``build_mesh(device)``; then, before any weight exists (on meta), ``parallelize(model, mesh,
+plan)`` or, for pipelines, ``parallelize_stage(stage, mesh, plan, original)`` on each of this
+rank's stages (split at ``PIPELINE["chunks"]``); after the weights are allocated,
+``replicate(model, mesh, plan)``; and ``build_optimizer(params, mesh, lr)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+from pathlib import Path
+
+from autopar.plan import Plan
+from autopar.runtime.parallelize import data_parallel_wrapper
+from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
+
+PROGRAM_FILE = "train.py"
+_LAYERLESS = ("head", "tail", "root")
+
+
+def program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
+    """The program for ``plan`` (``source``: the manifest's model recipe)."""
+    from autopar.runtime.source import build_from_source
+    from autopar.runtime.tensor_parallel import tensor_parallel_layout
+
+    model = build_from_source(source, seed=0, device="meta")
+    m = plan.mesh
+    layout = None
+    if m["tp"] > 1:
+        layout = tensor_parallel_layout(model, plan, traced=m["pp"] > 1)
+    layers = [n for n in layer_names(plan)]
+    seq = next(iter(plan.model["inputs"].values()))[-1]
+    w = _Writer()
+    _header(w, plan, source, model_name or type(model).__name__,
+            layout.styles if layout is not None else {})
+    _mesh(w, plan)
+    if layout is not None:
+        _tensor_parallel_tables(w, layout, layers)
+    recompute = {b["name"]: mode for b, mode in zip(plan.model["blocks"], plan.recompute,
+                                                      strict=True)
+                 if mode != "none" and b["name"] not in _LAYERLESS}
+    w.line("# the repeated layers: each its own recompute and fully_shard unit")
+    w.line(f"LAYERS = {_list(layers)}")
+    w.line(f"RECOMPUTE = {_dict(recompute)}  # layer -> full | selective")
+    w.line(f"SEQ = {seq}  # tokens per sequence: selective recompute spots the score tensors")
+    if m["pp"] > 1:
+        _pipeline(w, plan, layout)
+    else:
+        _parallelize(w, plan, layout)
+    _replicate(w, plan)
+    _optimizer(w, plan)
+    w.blank(2)
+    w.line('if __name__ == "__main__":  # torchrun --nproc-per-node N train.py --steps 100')
+    w.line("    import os")
+    w.line("    import sys")
+    w.blank()
+    w.line("    from autopar.cli import main")
+    w.blank()
+    w.line('    main(["run", os.path.dirname(os.path.abspath(__file__)), *sys.argv[1:]])')
+    return w.text()
+
+
+def load_program(text: str, filename: str = PROGRAM_FILE) -> types.ModuleType:
+    """Execute program text as a module (not as ``__main__``) and return it."""
+    module = types.ModuleType("autopar_program")
+    module.__file__ = filename
+    exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - the plan's program
+    return module
+
+
+def generated_program(plan: Plan, source: dict) -> types.ModuleType:
+    """The program for ``plan``, generated and loaded (what a fresh artifact's train.py is)."""
+    return load_program(program_text(plan, source))
+
+
+def digest(text: str | bytes) -> str:
+    """sha256 of a file's text: the manifest records the plan's and the program's."""
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+def program_state(directory: str | Path) -> str:
+    """"generated" (train.py is as autopar wrote it for this plan.yaml), "stale" (plan.yaml
+    changed since: regenerate), "edited" (the program was changed by hand: keep it),
+    "missing" (no train.py: regenerate)."""
+    d = Path(directory)
+    manifest = json.loads((d / "manifest.json").read_text())
+    recorded = manifest.get("program", {})
+    path = d / PROGRAM_FILE
+    if not path.is_file():
+        return "missing"
+    if digest(path.read_bytes()) != recorded.get("sha256"):
+        return "edited"
+    if digest((d / "plan.yaml").read_bytes()) != recorded.get("plan_sha256"):
+        return "stale"
+    return "generated"
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        self.lines.append(text)
+
+    def blank(self, n: int = 1) -> None:
+        self.lines.extend([""] * n)
+
+    def text(self) -> str:
+        return "\n".join(self.lines).rstrip() + "\n"
+
+
+def _list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def _dict(d: dict) -> str:
+    if not d:
+        return "{}"
+    inner = ",\n".join(f"    {json.dumps(k)}: {_value(v)}" for k, v in d.items())
+    return "{\n" + inner + ",\n}"
+
+
+def _value(v: object) -> str:
+    if isinstance(v, str) and v.endswith(")") and "(" in v and not v.startswith("("):
+        return v  # a style expression
+    if isinstance(v, tuple):
+        return "(" + ", ".join(str(x) for x in v) + ")"
+    return json.dumps(v)
+
+
+def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
+            styles: dict[str, str]) -> None:
+    m = plan.mesh
+    predicted = plan.predicted.step_time_s if plan.predicted else 0.0
+    w.line('"""Training program for ' + model_name + f" on {plan.devices} device"
+           + ("s" if plan.devices > 1 else "") + ", generated by autopar from plan.yaml.")
+    w.blank()
+    w.line(f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}), tp innermost; "
+           f"ZeRO-{plan.zero_stage}" + (f"; offload {'+'.join(plan.offload)}"
+                                        if plan.offload else ""))
+    w.line(f"batch: global {plan.global_batch} = {m['dp'] * m['ep']} data-parallel ranks x "
+           f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"
+           + (f"; schedule {plan.schedule}" if m["pp"] > 1 else ""))
+    if predicted:
+        w.line(f"predicted step time on {plan.cluster}: {predicted:.4g} s")
+    w.blank()
+    w.line(f"Run:  torchrun --nproc-per-node {plan.devices} train.py --steps 100   "
+           f"(or: autopar run DIR --steps 100)")
+    w.line("autopar compile and autopar run regenerate this file when plan.yaml changes; once "
+           "you edit it,")
+    w.line("autopar run keeps your edits (and says so). Delete it to regenerate.")
+    w.line('"""')
+    w.blank()
+    used = " ".join(styles.values())
+
+    def names(*candidates: str) -> str:
+        return ", ".join(n for n in candidates if n in used)
+
+    w.line("import torch")
+    if plan.devices > 1:
+        w.line("from torch.distributed.device_mesh import init_device_mesh")
+    if data_parallel_wrapper(plan) == "fully_shard" and m["ep"] == 1:
+        offload = {"optimizer", "params"} & set(plan.offload)
+        w.line("from torch.distributed.fsdp import "
+               + ("CPUOffloadPolicy" if offload else "OffloadPolicy") + ", fully_shard")
+    if styles:
+        if names("Replicate", "Shard"):
+            w.line(f"from torch.distributed.tensor import {names('Replicate', 'Shard')}")
+        w.line("from torch.distributed.tensor.parallel import "
+               + ", ".join(n for n in ("RowwiseParallel", "SequenceParallel") if n in used)
+               + (", " if names("RowwiseParallel", "SequenceParallel") else "")
+               + "parallelize_module")
+    w.blank()
+    w.line("from autopar.runtime import program as ap")
+    if "Relayout" in used:
+        w.line("from autopar.runtime.tensor_parallel import Relayout")
+    if names("Conv1dRowwise", "FusedColwise"):
+        w.line(f"from autopar.runtime.tp_styles import {names('Conv1dRowwise', 'FusedColwise')}")
+    w.blank()
+    if source.get("kind") == "hf_config":
+        arch = (source["config"].get("architectures") or [model_name])[0]
+        w.line(f"# the model: {arch} (transformers) from manifest.json's config, built on meta")
+        w.blank()
+
+
+def _mesh(w: _Writer, plan: Plan) -> None:
+    m = plan.mesh
+    shape = (m["pp"], m["dp"], m["ep"], m["tp"])
+    offload = bool({"optimizer", "params"} & set(plan.offload))
+    w.line(f"MESH = {{\"pp\": {m['pp']}, \"dp\": {m['dp']}, \"ep\": {m['ep']}, "
+           f"\"tp\": {m['tp']}}}")
+    w.blank(2)
+    w.line("def build_mesh(device):")
+    w.line('    """The named device mesh over the launched processes (tp innermost)."""')
+    if plan.devices > 1:
+        w.line(f"    return init_device_mesh(device, {shape}, "
+               "mesh_dim_names=(\"pp\", \"dp\", \"ep\", \"tp\"))")
+    elif offload:
+        w.line("    # one device, but fully_shard's offload needs a mesh: a one-rank one")
+        w.line("    return ap.single_process_mesh(device)")
+    else:
+        w.line("    return None  # one device: nothing to lay out across ranks")
+    w.blank(2)
+
+
+def _relative_styles(layout: TensorParallelLayout, layers: list[str]
+                     ) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """(styles every layer shares, relative to the layer, or None; the other styles)."""
+    per_layer: list[dict[str, str]] = []
+    rest = dict(layout.styles)
+    for layer in layers:
+        mine = {p[len(layer) + 1:]: s for p, s in layout.styles.items()
+                if p.startswith(layer + ".")}
+        per_layer.append(mine)
+    if layers and all(d == per_layer[0] for d in per_layer) and per_layer[0]:
+        for layer in layers:
+            for rel in per_layer[0]:
+                rest.pop(f"{layer}.{rel}", None)
+        return per_layer[0], rest
+    return None, rest
+
+
+def _tensor_parallel_tables(w: _Writer, layout: TensorParallelLayout, layers: list[str]) -> None:
+    shared, rest = _relative_styles(layout, layers)
+    if shared is not None:
+        w.line("# tensor parallelism: the planner's style for each module of every layer, by "
+               "path in the layer")
+        w.line(f"LAYER_STYLES = {_dict(shared)}")
+    w.line("# ... and for the modules outside the layers (and the layers themselves)")
+    w.line(f"MODEL_STYLES = {_dict(rest)}")
+    heads = {p: h for p, h in layout.heads.items()}
+    w.line("# split attention modules: (query heads, key/value heads, head size); each rank "
+           "runs its share")
+    w.line(f"SPLIT_HEADS = {_dict(heads)}")
+    if layout.traced:
+        w.line("# a traced stage gets its split leaves back as modules, and cuts its fused "
+               "projections' outputs per part")
+        w.line(f"TRACED_LEAVES = {_list(layout.leaves)}")
+        w.line(f"FUSED_PARTS = {_dict(layout.fused)}")
+
+
+def _tp_statements(w: _Writer, target: str, shared: bool, pipeline: bool) -> None:
+    w.line(f"    # tensor parallelism over mesh[\"tp\"] ({'per stage: ' if pipeline else ''}"
+           "column/row splits, the planner's layout)")
+    w.line(f"    ap.localize_heads({target}, SPLIT_HEADS, MESH[\"tp\"])")
+    if pipeline:
+        w.line(f"    ap.prepare_stage({target}, original, TRACED_LEAVES, FUSED_PARTS)")
+    if shared:
+        w.line("    for layer in ap.present(" + target + ", LAYERS):")
+        w.line(f"        parallelize_module({target}.get_submodule(layer), mesh[\"tp\"], "
+               "LAYER_STYLES)")
+    w.line(f"    parallelize_module({target}, mesh[\"tp\"], ap.present({target}, MODEL_STYLES))")
+
+
+def _recompute_statements(w: _Writer, target: str, pipeline: bool) -> None:
+    w.line("    # recompute: full checkpoints the layer, selective its attention core only")
+    w.line("    for layer, mode in " + (f"ap.present({target}, RECOMPUTE)" if pipeline
+                                         else "RECOMPUTE") + ".items():")
+    w.line(f"        ap.recompute({target}, layer, mode, SEQ)")
+
+
+def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
+    offload = sorted({"optimizer", "params"} & set(plan.offload))
+    reshard = plan.zero_stage == 3
+    kind = data_parallel_wrapper(plan)
+    if kind != "fully_shard":
+        return
+    what = {3: "each layer's parameters gathered for its forward and its backward",
+            2: "parameters kept gathered from the forward to the end of the backward"
+            }.get(plan.zero_stage, "one replica, its states offloaded")
+    w.line(f"    # data parallelism: ZeRO-{plan.zero_stage} over mesh[\"dp\"] "
+           f"({plan.mesh['dp']} ranks)")
+    w.line(f"    # fully_shard per layer: {what}")
+    if offload:
+        w.line(f"    # offload ({'+'.join(offload)}): parameters, gradients and the optimizer "
+               "step live on the host")
+        w.line("    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
+    else:
+        w.line("    policy = OffloadPolicy()")
+    w.line(f"    for layer in ap.present({target}, LAYERS):")
+    w.line(f"        fully_shard({target}.get_submodule(layer), mesh=mesh[\"dp\"], "
+           f"reshard_after_forward={reshard},")
+    w.line("                    offload_policy=policy)")
+    w.line(f"    fully_shard({target}, mesh=mesh[\"dp\"], reshard_after_forward={reshard}, "
+           "offload_policy=policy)")
+
+
+def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
+    w.blank(2)
+    w.line("def parallelize(model, mesh, plan):")
+    w.line('    """Lay the model out as planned; runs on meta, before any weight exists."""')
+    if layout is not None:
+        _tp_statements(w, "model", _relative_styles(layout, layer_names(plan))[0] is not None,
+                       pipeline=False)
+    if plan.mesh["ep"] > 1:
+        w.line("    # expert parallelism over mesh[\"ep\"]: each rank holds its experts; tokens "
+               "travel by all-to-all")
+        w.line("    experts = ap.expert_parallel(model, mesh)")
+    _recompute_statements(w, "model", pipeline=False)
+    if plan.mesh["ep"] > 1:
+        w.line("    # data parallelism: dense modules over dp x ep, experts over dp")
+        w.line("    ap.shard_experts(model, mesh, plan, experts)")
+    else:
+        _shard_statements(w, plan, "model")
+    w.line("    return model")
+
+
+def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
+    from autopar.runtime.pipeline import chunk_ranges
+
+    chunks = [list(c) for c in chunk_ranges(plan)]
+    w.line("# pipeline: the model is traced and cut into chunks of blocks; chunk c runs on "
+           "pipeline rank c % pp")
+    w.line(f"PIPELINE = {{\"chunks\": {chunks}, \"schedule\": {json.dumps(plan.schedule)}, "
+           f"\"microbatches\": {plan.num_microbatches}}}")
+    w.blank(2)
+    w.line("def parallelize_stage(stage, mesh, plan, original):")
+    w.line('    """Lay out one of this rank\'s pipeline stages (a traced piece of ``original``), '
+           'on meta."""')
+    if layout is not None:
+        _tp_statements(w, "stage", _relative_styles(layout, layer_names(plan))[0] is not None,
+                       pipeline=True)
+    _recompute_statements(w, "stage", pipeline=True)
+    _shard_statements(w, plan, "stage")
+    w.line("    return stage")
+
+
+def _replicate(w: _Writer, plan: Plan) -> None:
+    w.blank(2)
+    w.line("def replicate(model, mesh, plan):")
+    w.line('    """After the weights exist: data-parallel replicas (ZeRO-0/1)."""')
+    kind = data_parallel_wrapper(plan)
+    if plan.mesh["ep"] > 1:
+        w.line("    return ap.replicate_experts(model, mesh, plan)")
+    elif kind == "ddp" and plan.mesh["pp"] > 1:
+        w.line("    # pipeline stages: the runtime averages their gradients over dp after each "
+               "schedule step")
+        w.line("    return model")
+    elif kind == "ddp":
+        w.line("    return torch.nn.parallel.DistributedDataParallel(model, "
+               "process_group=mesh[\"dp\"].get_group())")
+    else:
+        w.line("    return model  # " + ("fully_shard already shards it" if kind == "fully_shard"
+                                          else "one replica"))
+
+
+def _optimizer(w: _Writer, plan: Plan) -> None:
+    w.blank(2)
+    w.line("def build_optimizer(params, mesh, lr):")
+    zero1 = data_parallel_wrapper(plan) == "ddp" and plan.zero_stage == 1 and \
+        plan.mesh["ep"] == 1
+    if zero1:
+        w.line('    """AdamW with its states sharded over dp (ZeRO-1)."""')
+        w.line("    from torch.distributed.optim import ZeroRedundancyOptimizer")
+        w.blank()
+        w.line("    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=lr, "
+               "process_group=mesh[\"dp\"].get_group())")
+    else:
+        w.line('    """AdamW (fp32 states)."""')
+        w.line("    return torch.optim.AdamW(params, lr=lr)")

@@ -1,0 +1,86 @@
+"""Small helpers the generated training program (``train.py``) calls, by name, for the steps
+that are more than one PyTorch statement."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.plan import Plan
+from autopar.runtime.parallelize import recompute_block
+from autopar.runtime.tp_styles import localize_heads as _localize_one
+
+__all__ = ["expert_parallel", "localize_heads", "present", "recompute", "replicate_experts",
+           "prepare_stage", "shard_experts", "single_process_mesh"]
+
+
+def present(model: nn.Module, items: Iterable[str] | dict) -> list[str] | dict:
+    """The module paths (or the entries of a path-keyed dict) that ``model`` holds: a pipeline
+    stage holds some layers only."""
+    names = {n for n, _ in model.named_modules()}
+    if isinstance(items, dict):
+        return {k: v for k, v in items.items() if k in names}
+    return [k for k in items if k in names]
+
+
+def localize_heads(model: nn.Module, heads: dict[str, tuple[int, int, int]], tp: int) -> None:
+    """Each split attention module of ``model`` reads the head counts of its local heads."""
+    for path, (q, kv, d) in present(model, heads).items():
+        _localize_one(model.get_submodule(path), [q, kv, d], tp)
+
+
+def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
+                  fused: dict[str, list[int]]) -> None:
+    """Ready a traced pipeline stage for tensor parallelism: its split leaves back as the
+    original modules (PyTorch's styles take only real nn.Linear / nn.Embedding), its fused
+    projections' outputs cut per part on the local shards, and DTensor taught the CPU
+    attention kernel's head-parallel sharding."""
+    from autopar.runtime.tensor_parallel import (
+        _register_cpu_attention_sharding,
+        _restore_leaves,
+        split_fused_outputs,
+    )
+
+    _register_cpu_attention_sharding()
+    _restore_leaves(stage, original, present(stage, leaves))
+    split_fused_outputs(stage, present(stage, fused))
+
+
+def recompute(model: nn.Module, layer: str, mode: str, seq: int) -> None:
+    """Wrap ``layer`` for ``mode`` ("full" or "selective") recompute."""
+    recompute_block(model, layer, mode, seq)
+
+
+def expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Swap each expert module for its expert-parallel version over ``mesh["ep"]``."""
+    from autopar.runtime.expert_parallel import apply_expert_parallel
+
+    return apply_expert_parallel(model, None, mesh["ep"])
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan, experts: list) -> None:
+    """fully_shard for an expert-parallel model: dense modules over dp x ep, experts over dp
+    (nothing under ZeRO-0, which replicates after the weights exist)."""
+    from autopar.runtime.expert_parallel import shard_expert_data_parallel
+
+    shard_expert_data_parallel(model, plan, mesh, experts)
+
+
+def replicate_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """DDP over dp x ep for an expert-parallel model's dense parameters under ZeRO-0."""
+    from autopar.runtime.expert_parallel import (
+        ExpertParallelExperts,
+        replicate_expert_data_parallel,
+    )
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    return replicate_expert_data_parallel(model, plan, mesh, experts)
+
+
+def single_process_mesh(device: str) -> DeviceMesh:
+    """An all-ones mesh for a one-device plan that offloads (fully_shard needs a mesh)."""
+    from autopar.runtime.mesh import single_process_mesh as _mesh
+
+    return _mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 1}, device)

@@ -1,0 +1,136 @@
+"""Tensor-parallel styles beyond PyTorch's nn.Linear / nn.Embedding ones: GPT-2's Conv1D, and
+fused projections split per head group (each rank its own q, k and v heads, its own gate and
+up rows), plus the local head counts a split attention's code must read.
+
+A fused projection's weight is kept as a DTensor ``Shard`` of a *row-permuted* weight: the
+permutation puts each rank's share of every part next to each other, so that the ordinary
+column split hands rank r ``[q_r, k_r, v_r]`` and the model's own slicing (at its local sizes)
+finds its heads. The permutation is recorded on the module (``FUSED_ATTR``); weight
+initialisation applies it to the whole tensor before slicing, so values match one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from autopar.errors import PlanError
+
+FUSED_ATTR = "_autopar_fused_rows"  # module attribute: {param name: (dim, index tensor)}
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D (transformers.pytorch_utils): a linear that stores its weight (in, out)."""
+    w = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and \
+        isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def output_dim(module: nn.Module) -> int:
+    """The weight dimension that indexes output features."""
+    return 1 if is_conv1d(module) else 0
+
+
+def fused_index(parts: list[int], tp: int) -> torch.Tensor:
+    """Row order that makes a contiguous split over ``tp`` hand each rank its share of every
+    part: ``[p0_r0, p1_r0, ..., p0_r1, p1_r1, ...]``."""
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    rows = []
+    for r in range(tp):
+        for start, size in zip(starts, parts, strict=True):
+            share = size // tp
+            rows.append(torch.arange(start + r * share, start + (r + 1) * share))
+    return torch.cat(rows)
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_data_rank):
+    param = getattr(module, name)
+    rows = getattr(module, FUSED_ATTR, {}).get(name)
+    if rows is not None and not param.is_meta:  # a materialised model (autopar.parallelize)
+        param = param.index_select(rows[0], rows[1].to(param.device))
+    module.register_parameter(name, nn.Parameter(
+        distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank),
+        requires_grad=param.requires_grad))
+
+
+class FusedColwise(ColwiseParallel):
+    """Column parallelism for nn.Linear and Conv1D whose output may be fused parts (each split
+    over the ranks on its own, see the module docstring)."""
+
+    def __init__(self, parts: list[int] | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts if parts and len(parts) > 1 else None
+
+    def _partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _distribute(module, "weight", mesh, Shard(output_dim(module)), self.src_data_rank)
+        if getattr(module, "bias", None) is not None:
+            _distribute(module, "bias", mesh, Shard(0), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise PlanError(f"column parallelism of {type(module).__name__} is not supported "
+                            f"(nn.Linear and Conv1D are); re-plan with tp=1")
+        if self.parts:
+            index = fused_index(self.parts, device_mesh.size())
+            setattr(module, FUSED_ATTR, {"weight": (output_dim(module), index),
+                                         "bias": (0, index)})
+        return distribute_module(
+            module, device_mesh, self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1dRowwise(RowwiseParallel):
+    """Row parallelism for nn.Linear and GPT-2's Conv1D (weight split on its input rows)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+
+        def partition(_name, mod, mesh):
+            _distribute(mod, "weight", mesh, Shard(0), self.src_data_rank)
+            if getattr(mod, "bias", None) is not None:
+                _distribute(mod, "bias", mesh, Replicate(), self.src_data_rank)
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+# attribute names that hold a head count or a per-module width (not a head's own size)
+_COUNT_NAME = re.compile(r"head|split_size|embed_dim|hidden_size")
+_NOT_COUNT = re.compile(r"head_dim|head_size|layer_idx|max_position")
+
+
+def localize_heads(module: nn.Module, heads: list[int], tp: int) -> None:
+    """Give a split attention module the head counts of its local heads, for code that reads
+    them (Phi-3 slices ``qkv`` at ``num_attention_heads * head_dim``, GPT-2 splits ``c_attn``
+    at ``split_size``, Falcon views by ``num_heads``). An integer attribute of the module, or
+    of a private copy of its ``config``, whose name says it counts heads or widths and whose
+    value is a whole-model head quantity, becomes the per-rank one."""
+    q, kv, d = heads
+    if q % tp or kv % tp:
+        raise PlanError(f"the plan splits an attention of {q} query and {kv} key/value heads "
+                        f"over tp={tp}; re-plan (the planner splits only whole heads)")
+    local = {q: q // tp, kv: kv // tp, q * d: q * d // tp, kv * d: kv * d // tp}
+    _localize(module, local)
+    config = getattr(module, "config", None)
+    if config is not None and not isinstance(config, nn.Module):
+        module.config = copy.copy(config)
+        _localize(module.config, local)
+
+
+def _localize(obj: object, local: dict[int, int]) -> None:
+    for name, value in list(vars(obj).items()):
+        if type(value) is int and value in local and _COUNT_NAME.search(name) and \
+                not _NOT_COUNT.search(name):
+            setattr(obj, name, local[value])

@@ -1,0 +1,99 @@
+"""The generated training program: what compile writes is what runs, directly under torchrun
+or through ``autopar run``; a plan edit regenerates it, a hand edit is kept and said."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import autopar
+from autopar.codegen import load_program, program_text
+from autopar.runtime.source import describe_source
+
+from ..cli.test_inspect import _assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def _compile(art, constraints: str, devices: int = 2) -> None:
+    made = run_cli("compile", "tiny-llama", "--devices", str(devices), "--seq", "32",
+                   "--global-batch", "4", "--cluster", "cpu", "--constraints", constraints,
+                   "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+
+
+def _losses(art) -> list[float]:
+    log = art / "logs" / "train.jsonl"
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), *args],
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_the_program_states_the_plan() -> None:
+    """Each piece of the plan appears as a statement: mesh, styles, recompute, ZeRO, optimizer
+    (read from the planner's own plan, whatever it chose)."""
+    graph = autopar.capture("tiny-llama", seq=32)
+    plan = autopar.plan(graph, devices=4, global_batch=8, cluster="cpu",
+                        constraints=dict(tp=2, dp=2, pp=1, zero_stage=3, recompute="full"))
+    text = program_text(plan, describe_source("tiny-llama"))
+    assert "init_device_mesh(device, (1, 2, 1, 2)" in text
+    assert "reshard_after_forward=True" in text  # ZeRO-3
+    assert '"model.layers.3": "full"' in text
+    assert "parallelize_module(" in text
+    split = [k for k, v in plan.placements["params"].items() if "@tp" in v]
+    for fqn in split:  # every module the plan splits has its style line
+        assert f'"{fqn.rsplit(".", 1)[0].split(".")[-1]}"' in text or \
+            f'"{fqn.rsplit(".", 1)[0]}"' in text
+    module = load_program(text)
+    assert callable(module.parallelize) and callable(module.build_optimizer)
+
+
+def test_torchrun_runs_the_program_file_and_edits_are_kept(tmp_path) -> None:
+    art = tmp_path / "art"
+    _compile(art, "dp=2,pp=1,zero_stage=2")
+    program = art / "train.py"
+    ran = _torchrun(2, str(program), "--steps", "2", "--device", "cpu")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    direct = _losses(art)
+    assert len(direct) == 2
+    # a hand edit is kept, and said: this one halves the learning rate
+    text = program.read_text().replace("torch.optim.AdamW(params, lr=lr)",
+                                       "torch.optim.AdamW(params, lr=lr * 0.5)")
+    program.write_text(text)
+    (art / "logs" / "train.jsonl").unlink()
+    ran = _torchrun(2, "-m", "autopar", "run", str(art), "--steps", "2", "--device", "cpu")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "edited by hand" in ran.stderr
+    assert program.read_text() == text  # kept
+    edited = _losses(art)
+    assert edited[0] == pytest.approx(direct[0], rel=1e-6)  # same start
+    assert edited[1] != pytest.approx(direct[1], rel=1e-6)  # the edit ran
+    # a syntax error in the edited program: one line, exit 2, nothing run
+    program.write_text(text + "\ndef broken(:\n")
+    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu"),
+                           "train.py:")
+
+
+def test_an_edited_plan_regenerates_the_program(tmp_path) -> None:
+    art = tmp_path / "art"
+    _compile(art, "dp=1,pp=1", devices=1)
+    before = (art / "train.py").read_text()
+    plan = yaml.safe_load((art / "plan.yaml").read_text())
+    plan["recompute"] = ["full" if b["name"] not in ("head", "tail") else "none"
+                         for b in plan["model"]["blocks"]]
+    (art / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu")
+    assert ran.returncode == 0, ran.stderr
+    assert "regenerated" in ran.stderr
+    after = (art / "train.py").read_text()
+    assert after != before and '"model.layers.0": "full"' in after
+    ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu")
+    assert ran.returncode == 0 and "regenerated" not in ran.stderr  # now up to date
