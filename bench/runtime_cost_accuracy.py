@@ -1,9 +1,10 @@
 """Cost-model accuracy on autopar's own runtime: predicted vs measured step time of plans.
 
 Each case is an ``autopar.plan`` for a small GPT on 4 gloo processes (pins choose the
-strategy; tensor-parallel cases get Megatron placements, as a plan file may be edited). The
-plan is trained by ``autopar.runtime.Trainer`` for a few steps, one thread per process, and the
-median step time is compared with ``autopar.cost.estimate`` for the same choice in fp32 (the
+strategy; tensor-parallel cases take the layout the planner chooses for the same GPT at full
+width, since at this size it rightly splits little). The plan is trained through its generated
+program by ``autopar.runtime.Trainer`` for a few steps, one thread per process, and the median
+step time is compared with ``autopar.cost.estimate`` for the same choice in fp32 (the
 runtime trains in fp32 on CPU), calibrated by an ``autopar profile`` of this machine.
 
 Usage: python bench/runtime_cost_accuracy.py [--profile PROFILE.yaml] [--steps 6] [--only NAME]
@@ -27,7 +28,7 @@ from cost_accuracy import print_summary, quick_profile  # bench/ is on sys.path 
 MODEL = dict(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8)
 GLOBAL_BATCH = 16
 WORLD = 4
-COLUMN, ROW = ("qkv", "fc"), ("attn.proj", "mlp.proj")
+FULL_WIDTH = dict(MODEL, d_model=4096, n_heads=32)  # whose planned tp layout the cases copy
 
 # name -> constraints pinned for autopar.plan (4 devices, global batch 16)
 CASES: dict[str, dict] = {
@@ -35,7 +36,7 @@ CASES: dict[str, dict] = {
     "dp4 zero3": dict(pp=1, tp=1, dp=4, zero_stage=3, microbatch_size=4, recompute="none"),
     "dp4 full recompute": dict(pp=1, tp=1, dp=4, zero_stage=0, microbatch_size=4,
                                recompute="full"),
-    "dp2 tp2": dict(pp=1, tp=2, dp=2, zero_stage=0, microbatch_size=8, recompute="none",
+    "dp2 tp2": dict(pp=1, tp=2, dp=2, zero_stage=2, microbatch_size=8, recompute="none",
                     sequence_parallel=False),
     "tp4": dict(pp=1, tp=4, dp=1, microbatch_size=8, recompute="none", sequence_parallel=False),
     "pp2 dp2 1f1b": dict(pp=2, tp=1, dp=2, zero_stage=0, microbatch_size=2, schedule="1f1b",
@@ -51,13 +52,20 @@ def make_plan(graph, pins: dict):
 
     plan = autopar.plan(graph, devices=WORLD, global_batch=GLOBAL_BATCH,
                         constraints=dict(pins, ep=1, offload=[]))
-    if plan.mesh["tp"] > 1:  # Megatron placements for every linear of the layers
+    if plan.mesh["tp"] > 1:  # the planner's layout for the same GPT at full width
+        from autopar.models import GPT, GPTConfig, token_inputs
+
+        with torch.device("meta"):
+            wide = GPT(GPTConfig(**FULL_WIDTH))
+        layout = autopar.plan(autopar.capture(wide, token_inputs(1, MODEL["seq_len"])),
+                              devices=plan.mesh["tp"], global_batch=plan.mesh["tp"],
+                              constraints=dict(tp=plan.mesh["tp"], pp=1,
+                                               sequence_parallel=False)).placements["params"]
         params = plan.placements["params"]
-        for fqn in params:
-            if any(fqn.endswith(f".{c}.weight") for c in COLUMN):
-                params[fqn] = "Shard(0)@tp"
-            elif any(fqn.endswith(f".{r}.weight") for r in ROW):
-                params[fqn] = "Shard(1)@tp"
+        for fqn, placement in params.items():
+            dp = [p for p in placement.split("+") if p.endswith("@dp")]
+            tp = [p for p in layout[fqn].split("+") if p.endswith("@tp")]
+            params[fqn] = "+".join(tp + dp) or "Replicate"
     return plan
 
 
@@ -88,7 +96,11 @@ def _worker(rank: int, port: int, source: dict, plan_dict: dict, steps: int, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
     try:
-        trainer = Trainer(source, Plan.from_dict(plan_dict), device="cpu", seed=0)
+        from autopar.codegen import generated_program
+
+        plan = Plan.from_dict(plan_dict)
+        trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu",
+                          seed=0)
         times = []
         for _ in range(steps + 2):
             dist.barrier()

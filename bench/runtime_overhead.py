@@ -103,13 +103,15 @@ def worker(rank: int, port: int, name: str, mode: str, steps: int, plan_dict: di
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     if mode == "autopar":
+        from autopar.codegen import generated_program
         from autopar.models import GPT, GPTConfig
         from autopar.plan import Plan
         from autopar.runtime import Trainer
         from autopar.runtime.source import describe_source
 
-        trainer = Trainer(describe_source(GPT(GPTConfig(**MODEL))), Plan.from_dict(plan_dict),
-                          device="cpu", seed=0)
+        source, plan = describe_source(GPT(GPTConfig(**MODEL))), Plan.from_dict(plan_dict)
+        trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu",
+                          seed=0)
         step = lambda i: trainer.train_step()  # noqa: E731
     else:
         step = _by_hand(CASES[name], rank)

@@ -26,7 +26,6 @@ def _program(directory: str, manifest: dict, plan) -> object:
     """The training program to run, as a module: DIR/train.py as autopar wrote it, regenerated
     when plan.yaml changed since (one process per machine writes it), or as the user edited
     it (kept, and said so)."""
-    import sys
     from pathlib import Path
 
     from autopar.codegen import PROGRAM_FILE, load_program, program_state, regenerate_program
@@ -50,18 +49,17 @@ def _program(directory: str, manifest: dict, plan) -> object:
             if digest((Path(directory) / "plan.yaml").read_bytes()) != \
                     manifest.get("program", {}).get("plan_sha256"):
                 note += "; plan.yaml changed too, and your program may not follow it"
-    if note and speak:
-        click.echo(f"autopar: {note}", err=True)
     try:
-        return load_program(text, str(path))
+        program = load_program(text, str(path))
     except SyntaxError as exc:
         raise PlanError(f"{path}:{exc.lineno}: {exc.msg}; fix it, or delete it to regenerate "
                         f"it from plan.yaml") from None
     except Exception as exc:  # noqa: BLE001 - a hand-edited program's own error, in one line
         raise PlanError(f"{path} fails to load ({type(exc).__name__}: {exc}); fix it, or "
                         f"delete it to regenerate it from plan.yaml") from None
-    finally:
-        sys.stderr.flush()
+    if note and speak:
+        click.echo(f"autopar: {note}", err=True)
+    return program
 
 
 @click.command("run")
@@ -102,11 +100,11 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     from autopar.runtime import Trainer
 
     manifest, plan = load_artifact(directory)
+    program = _program(directory, manifest, plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
-    program = _program(directory, manifest, plan)
     kind = _device_type(plan.cluster, device)
     if world > 1:
         dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))

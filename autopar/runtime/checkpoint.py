@@ -124,6 +124,55 @@ def _param_names(keys) -> list[str]:
     return sorted(names)
 
 
+def _fused_rows(trainer: Trainer) -> dict[str, tuple[int, torch.Tensor]]:
+    """Checkpoint FQN -> (dim, row order) of each parameter a fused projection holds in
+    per-part order (tp_styles): the checkpoint stores the model's own order instead, so that
+    any plan can load it."""
+    from autopar.runtime.init import canonical_fqn
+    from autopar.runtime.tp_styles import FUSED_ATTR
+
+    out = {}
+    for name, module in trainer.model.named_modules():
+        rows = getattr(module, FUSED_ATTR, None)
+        if not rows:
+            continue
+        path = canonical_fqn(name)
+        if trainer.pipe is not None:  # drop the stage's ModuleList index
+            path = path.split(".", 1)[1]
+        for attr, (dim, index) in rows.items():
+            if getattr(module, attr, None) is not None:
+                out[f"{path}.{attr}"] = (dim, index)
+    return out
+
+
+def _reorder(value: object, dim: int, order: torch.Tensor) -> object:
+    """``value`` (a DTensor shaped like the parameter) with its rows in ``order`` along
+    ``dim``: gathered whole for one parameter at a time, then laid out as before."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not _reorderable(value, dim, order):
+        return value  # e.g. the optimizer's step counter
+    full = value.full_tensor().index_select(dim, order.to(value.device))
+    return distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
+
+
+def _reorderable(value: object, dim: int, order: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) and value.dim() > dim and value.shape[dim] == order.numel()
+
+
+def _fused_key(key: str, fused: dict) -> str | None:
+    """The fused parameter a checkpoint key holds (itself, or its optimizer state)."""
+    if key.startswith("model."):
+        name = key[len("model."):]
+        return name if name in fused else None
+    if key.startswith("optim.state."):
+        name = key[len("optim.state."):].rsplit(".", 1)[0]
+        return name if name in fused else None
+    return None
+
+
 def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
     """Save model, optimizer, LR schedule and step; every rank calls it."""
     root = Path(directory)
@@ -136,7 +185,14 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
     _, local = _local_state(trainer)
     keys = _disk_keys(trainer, local)
     names = _param_names(keys)
-    dcp.save({disk: local[held[0]] for disk, held in keys.items()}, checkpoint_id=str(partial))
+    state = {disk: local[held[0]] for disk, held in keys.items()}
+    fused = _fused_rows(trainer)
+    for key, value in state.items():
+        param = _fused_key(key, fused)
+        if param is not None:
+            dim, order = fused[param]
+            state[key] = _reorder(value, dim, torch.argsort(order))  # back to the model's
+    dcp.save(state, checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
         meta = {"step": trainer.step_index, "schedule": trainer.schedule.state_dict(),
@@ -189,7 +245,15 @@ def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:
         model_sd, optim_sd = state["model"], state["optim"]
     else:
         disk = {key: local[held[0]] for key, held in keys.items()}
+        fused = _fused_rows(trainer)
+        stored = {}  # fused parameters (and their states) arrive in the model's own order
+        for key in disk:
+            name = _fused_key(key, fused)
+            if name is not None and _reorderable(disk[key], *fused[name]):
+                stored[key] = disk[key] = torch.empty_like(disk[key])
         dcp.load(disk, checkpoint_id=str(path))  # tensors in place, other values replaced
+        for key, buffer in stored.items():
+            disk[key] = _reorder(buffer, *fused[_fused_key(key, fused)])
         for key, held in keys.items():
             for name in held:  # every copy of a tied parameter gets the canonical value
                 value = local[name]

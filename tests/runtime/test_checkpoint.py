@@ -12,7 +12,8 @@ from autopar.runtime.checkpoint import latest_checkpoint
 from autopar.runtime.source import describe_source
 
 from .harness import run_ranks
-from .test_equivalence import _megatron, _plan
+from .layouts import with_full_size_layout
+from .test_equivalence import _plan
 
 pytestmark = pytest.mark.dist
 
@@ -43,9 +44,8 @@ def test_resume_under_another_plan_continues_the_same_losses(gpt, reference, tmp
                          steps=4, checkpoint_dir=ckpt)
     assert latest_checkpoint(ckpt).name == "step_000004"
     assert not list((tmp_path / "ckpt").glob("*.partial"))
-    tp_plan = _megatron(_plan(graph, 2, tp=2, dp=1, microbatch_size=2, sequence_parallel=False),
-                        ("qkv", "fc"),
-                        ("attn.proj", "mlp.proj"))
+    tp_plan = with_full_size_layout(_plan(graph, 2, tp=2, dp=1, microbatch_size=2,
+                                          sequence_parallel=False), "gpt")
     rest, sharded = run_ranks(source, tp_plan, steps=2, checkpoint_dir=ckpt, resume=True)
     assert sharded > 0
     assert first + rest == pytest.approx(reference[:6], rel=1e-4)
@@ -98,8 +98,8 @@ def test_zero1_checkpoint_resumes_under_pipeline_tp_and_zero1(gpt, reference, tm
     zero1 = _plan(graph, 2, dp=2, zero_stage=1, microbatch_size=1)
     assert zero1.zero_stage == 1
     losses, _ = run_ranks(source, zero1, steps=4, checkpoint_dir=str(ckpt))
-    tp_plan = _megatron(_plan(graph, 2, tp=2, dp=1, microbatch_size=2, sequence_parallel=False),
-                        ("qkv", "fc"), ("attn.proj", "mlp.proj"))
+    tp_plan = with_full_size_layout(_plan(graph, 2, tp=2, dp=1, microbatch_size=2,
+                                          sequence_parallel=False), "gpt")
     for plan in (_pipeline(graph, 2, "gpipe", dp=1, num_microbatches=4), tp_plan, zero1):
         more, _ = run_ranks(source, plan, steps=1, checkpoint_dir=str(ckpt), resume=True)
         losses += more
@@ -125,4 +125,19 @@ def test_hf_pipeline_checkpoint_resumes_without_the_pipeline(tmp_path) -> None:
     assert not any("inv_freq" in key for key in _written(latest_checkpoint(ckpt)))
     rest, _ = run_ranks(source, _plan(graph, 2, dp=2, zero_stage=0, microbatch_size=1),
                         steps=1, checkpoint_dir=ckpt, resume=True)
+    assert first + rest == pytest.approx(reference, rel=1e-4)
+
+
+def test_fused_projection_checkpoint_resumes_under_another_plan(tmp_path) -> None:
+    """A fused projection split per part (q|k|v of GPT-2's Conv1D c_attn) holds its rows in
+    per-rank order; its checkpoint stores the model's own order, so one process resumes it."""
+    source, graph = describe_source("tiny-gpt2"), autopar.capture("tiny-gpt2", seq=32)
+    reference, _ = run_ranks(source, _plan(graph, 1, microbatch_size=2), steps=4)
+    ckpt = str(tmp_path / "ckpt")
+    tp = with_full_size_layout(_plan(graph, 2, tp=2, dp=1, microbatch_size=2,
+                                     sequence_parallel=False), "tiny-gpt2")
+    assert tp.placements["params"]["transformer.h.0.attn.c_attn.weight"].startswith("Shard")
+    first, _ = run_ranks(source, tp, steps=2, checkpoint_dir=ckpt)
+    rest, _ = run_ranks(source, _plan(graph, 1, microbatch_size=2), steps=2,
+                        checkpoint_dir=ckpt, resume=True)
     assert first + rest == pytest.approx(reference, rel=1e-4)

@@ -10,6 +10,7 @@ from autopar.models import GPT, GPTConfig, token_inputs
 from autopar.runtime.source import describe_source
 
 from .harness import run_ranks
+from .layouts import with_full_size_layout
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH = 5, 4
@@ -24,18 +25,6 @@ def _plan(graph, devices: int, **pins):
     pins.setdefault("pp", 1)
     pins.setdefault("num_microbatches", 2)
     return autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
-
-
-def _megatron(plan, column: tuple[str, ...], row: tuple[str, ...]):
-    """Hand-edit the plan's tensor-parallel placements (a plan file is meant to be editable):
-    tiny layers are cheaper replicated, so the searched plan would not split them."""
-    params = plan.placements["params"]
-    for fqn in params:
-        if fqn.endswith(".weight") and any(fqn.endswith(f".{c}.weight") for c in column):
-            params[fqn] = "Shard(0)@tp"
-        elif fqn.endswith(".weight") and any(fqn.endswith(f".{r}.weight") for r in row):
-            params[fqn] = "Shard(1)@tp"
-    return plan
 
 
 def _init_probe(trainer) -> dict:
@@ -88,7 +77,7 @@ def test_gpt_matches_single_process(gpt, gpt_reference, case: str) -> None:
     pins = GPT_CASES[case]
     plan = _plan(graph, 2, **pins)
     if pins.get("tp", 1) > 1:
-        plan = _megatron(plan, ("qkv", "fc"), ("attn.proj", "mlp.proj"))
+        plan = with_full_size_layout(plan, "gpt")
     losses, sharded, init = run_ranks(source, plan, STEPS, probe=_init_probe)
     assert losses == pytest.approx(gpt_reference, rel=1e-4)
     assert losses[0] != losses[-1]  # it trains
@@ -101,10 +90,8 @@ def test_gpt_matches_single_process(gpt, gpt_reference, case: str) -> None:
 def test_tiny_llama_tp2_x_dp2_zero3_matches_single_process(llama) -> None:
     source, graph = llama
     reference, _ = run_ranks(source, _plan(graph, 1, microbatch_size=2), STEPS)
-    plan = _megatron(_plan(graph, 4, tp=2, dp=2, zero_stage=3, microbatch_size=1,
-                           sequence_parallel=False),
-                     ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
-                     ("o_proj", "down_proj"))
+    plan = with_full_size_layout(_plan(graph, 4, tp=2, dp=2, zero_stage=3, microbatch_size=1,
+                                       sequence_parallel=False), "tiny-llama")
     losses, sharded, init = run_ranks(source, plan, STEPS, probe=_init_probe)
     assert losses == pytest.approx(reference, rel=1e-4) and sharded > 0
     _check_init(init, sharded=True)

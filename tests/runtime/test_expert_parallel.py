@@ -11,7 +11,7 @@ import autopar
 from autopar.runtime.source import describe_source
 
 from .harness import run_ranks, spawn_ranks
-from .test_equivalence import _megatron
+from .layouts import with_full_size_layout
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH = 5, 4
@@ -36,8 +36,8 @@ def mixtral(graph):
 def _plan(graph, devices: int, **pins):
     pins = dict(dict(pp=1, tp=1, num_microbatches=2), **pins)
     plan = autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
-    if pins["tp"] > 1:  # attention split Megatron-style; the experts stay whole on their rank
-        plan = _megatron(plan, ("q_proj", "k_proj", "v_proj"), ("o_proj",))
+    if pins["tp"] > 1:  # the full-size Mixtral's attention split; experts stay whole on a rank
+        plan = with_full_size_layout(plan, "tiny-mixtral")
     return plan
 
 

@@ -17,7 +17,7 @@ from autopar.runtime.init import canonical_fqn, materialize
 from autopar.runtime.source import build_from_source, describe_source
 
 from .harness import spawn_ranks
-from .test_equivalence import _megatron
+from .layouts import with_full_size_layout
 from .test_init import GPT_CFG, SEED, _source, _tensors
 
 pytestmark = pytest.mark.dist
@@ -28,7 +28,7 @@ ODD_GPT = GPTConfig(vocab_size=125, seq_len=32, d_model=64, n_layers=2, n_heads=
 BIG_GPT = GPTConfig(vocab_size=8192, seq_len=32, d_model=512, n_layers=4, n_heads=8)
 
 
-def _plan(model, how: str, column=(), row=()) -> dict:
+def _plan(model, how: str, full: str = "") -> dict:
     from autopar.models import token_inputs
 
     graph = autopar.capture(model, token_inputs(1, 32)) if isinstance(model, nn.Module) else \
@@ -39,7 +39,7 @@ def _plan(model, how: str, column=(), row=()) -> dict:
             base, tp=1, dp=2, zero_stage=3, microbatch_size=1)).to_dict()
     tp = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(
         base, tp=2, dp=1, microbatch_size=2, sequence_parallel=False))
-    return _megatron(tp, column, row).to_dict()
+    return with_full_size_layout(tp, full).to_dict()
 
 
 def _parallelise(model: nn.Module, how: str, plan_dict: dict | None) -> None:
@@ -187,13 +187,12 @@ def _run_two_ranks(cases: list, timeout_s: float = 600.0) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     gpt, odd = GPT(GPT_CFG), GPT(ODD_GPT)
-    llama_tp = (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj"))
     # the big model first: ru_maxrss is a high-water mark, and later cases would raise it
     cases = [("big", describe_source(GPT(BIG_GPT)), "fully_shard", None),
              ("gpt tp2", describe_source(gpt), "tp2",
-              _plan(gpt, "tp2", ("qkv", "fc"), ("attn.proj", "mlp.proj"))),
+              _plan(gpt, "tp2", "gpt")),
              ("gpt zero3", describe_source(odd), "zero3", _plan(odd, "zero3")),
-             ("llama tp2", _source("tiny-llama"), "tp2", _plan("tiny-llama", "tp2", *llama_tp)),
+             ("llama tp2", _source("tiny-llama"), "tp2", _plan("tiny-llama", "tp2", "tiny-llama")),
              ("llama zero3", _source("tiny-llama"), "zero3", _plan("tiny-llama", "zero3")),
              ("mixtral ep2", _source("tiny-mixtral"), "ep2", None)]
     return _run_two_ranks(cases)

@@ -14,20 +14,11 @@ from autopar.models import GPT, GPTConfig, token_inputs
 from autopar.runtime.source import describe_source
 
 from .harness import run_ranks, spawn_ranks
-from .test_equivalence import _megatron, _plan
+from .layouts import with_full_size_layout
+from .test_equivalence import _plan
 
 pytestmark = pytest.mark.dist
 STEPS = 5
-GPT_COLUMN, GPT_ROW = ("qkv", "fc"), ("attn.proj", "mlp.proj")
-LLAMA_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-LLAMA_ROW = ("o_proj", "down_proj")
-
-
-def _llama_megatron(plan):
-    """Megatron's layout, with a vocabulary-parallel LM head (GPT's is tied, so replicated)."""
-    plan = _megatron(plan, LLAMA_COLUMN, LLAMA_ROW)
-    plan.placements["params"]["lm_head.weight"] = "Shard(0)@tp"
-    return plan
 
 
 class _Collectives(TorchDispatchMode):
@@ -156,8 +147,8 @@ FOUR_MICROBATCHES = dict(microbatch_size=1, num_microbatches=4)
 
 def test_gpt_tp2_sequence_parallel_matches_single_process(gpt2) -> None:
     source, graph, reference = gpt2
-    plan = _megatron(_plan(graph, 2, tp=2, dp=1, sequence_parallel=True, **ONE_MICROBATCH),
-                     GPT_COLUMN, GPT_ROW)
+    plan = with_full_size_layout(_plan(graph, 2, tp=2, dp=1, sequence_parallel=True,
+                                       **ONE_MICROBATCH), "gpt")
     assert plan.sequence_parallel
     losses, sharded, total, per_module = _run(source, plan)
     assert losses == pytest.approx(reference, rel=1e-4)
@@ -170,8 +161,8 @@ def test_gpt_tp2_sequence_parallel_matches_single_process(gpt2) -> None:
 
 def test_tiny_llama_tp2_sequence_parallel_matches_single_process(llama) -> None:
     source, graph, _ = llama
-    plan = _llama_megatron(_plan(graph, 2, tp=2, dp=1, sequence_parallel=True,
-                                 **ONE_MICROBATCH))
+    plan = with_full_size_layout(_plan(graph, 2, tp=2, dp=1, sequence_parallel=True,
+                                       **ONE_MICROBATCH), "tiny-llama")
     losses, sharded, total, per_module = _run(source, plan)
     assert losses == pytest.approx(_llama_reference(llama, ONE_MICROBATCH), rel=1e-4)
     assert {"model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
@@ -196,7 +187,7 @@ def _stage_names(names: list[str]) -> set[str]:
 
 def test_gpt_pp2_x_tp2_matches_single_process(gpt4) -> None:
     source, graph, reference = gpt4
-    losses, sharded, total, _ = _run(source, _megatron(_pp_tp_plan(graph), GPT_COLUMN, GPT_ROW))
+    losses, sharded, total, _ = _run(source, with_full_size_layout(_pp_tp_plan(graph), "gpt"))
     assert losses == pytest.approx(reference, rel=1e-4)
     # rank 0 holds the first stage only (module "0" of its stage list), its layers split
     sharded = _stage_names(sharded)
@@ -208,7 +199,7 @@ def test_gpt_pp2_x_tp2_matches_single_process(gpt4) -> None:
 
 def test_tiny_llama_pp2_x_tp2_matches_single_process(llama) -> None:
     source, graph, _ = llama
-    plan = _llama_megatron(_pp_tp_plan(graph))
+    plan = with_full_size_layout(_pp_tp_plan(graph), "tiny-llama")
     losses, sharded, total, _ = _run(source, plan)
     assert losses == pytest.approx(_llama_reference(llama, FOUR_MICROBATCHES), rel=1e-4)
     sharded = _stage_names(sharded)
