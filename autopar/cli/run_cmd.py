@@ -106,6 +106,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
     kind = _device_type(plan.cluster, device)
+    if kind != "cpu":  # this process's accelerator, before any collective needs it
+        import torch
+
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
     finished = False

@@ -18,10 +18,11 @@ import types
 from pathlib import Path
 
 from autopar.plan import Plan
-from autopar.runtime.parallelize import data_parallel_wrapper
+from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 PROGRAM_FILE = "train.py"
+_TORCH = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LAYERLESS = ("head", "tail", "root")
 
 
@@ -170,7 +171,8 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     if data_parallel_wrapper(plan) == "fully_shard" and m["ep"] == 1:
         offload = {"optimizer", "params"} & set(plan.offload)
         w.line("from torch.distributed.fsdp import "
-               + ("CPUOffloadPolicy" if offload else "OffloadPolicy") + ", fully_shard")
+               + ("CPUOffloadPolicy" if offload else "OffloadPolicy")
+               + ", MixedPrecisionPolicy, fully_shard")
     if styles:
         if names("Replicate", "Shard"):
             w.line(f"from torch.distributed.tensor import {names('Replicate', 'Shard')}")
@@ -197,6 +199,12 @@ def _mesh(w: _Writer, plan: Plan) -> None:
     offload = bool({"optimizer", "params"} & set(plan.offload))
     w.line(f"MESH = {{\"pp\": {m['pp']}, \"dp\": {m['dp']}, \"ep\": {m['ep']}, "
            f"\"tp\": {m['tp']}}}")
+    p = plan_precision(plan)
+    w.line(f"# precision: {p.compute} compute, {p.param} parameters as computed with, "
+           f"{p.reduce} gradient reductions; fp32 master weights and optimizer states")
+    w.line("AUTOCAST = " + ("None  # fp32 throughout" if p.compute == "fp32"
+                            else f"torch.{_TORCH[p.compute]}  # autocast's compute dtype"))
+    w.line(f"LOSS_SCALING = {p.loss_scaling}  # dynamic loss scaling (fp16's narrow range)")
     w.blank(2)
     w.line("def build_mesh(device):")
     w.line('    """The named device mesh over the launched processes (tp innermost)."""')
@@ -285,12 +293,19 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
         w.line("    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
     else:
         w.line("    policy = OffloadPolicy()")
+    p = plan_precision(plan)
+    if p.param == "fp32" and p.reduce == "fp32":
+        w.line("    mp = MixedPrecisionPolicy()  # fp32")
+    else:
+        w.line(f"    mp = MixedPrecisionPolicy(param_dtype=torch.{_TORCH[p.param]}, "
+               f"reduce_dtype=torch.{_TORCH[p.reduce]})")
     w.line(f"    for layer in ap.present({target}, LAYERS):")
     w.line(f"        fully_shard({target}.get_submodule(layer), mesh=mesh[\"dp\"], "
            f"reshard_after_forward={reshard},")
-    w.line("                    offload_policy=policy)")
+    w.line("                    offload_policy=policy, mp_policy=mp)")
     w.line(f"    fully_shard({target}, mesh=mesh[\"dp\"], reshard_after_forward={reshard}, "
-           "offload_policy=policy)")
+           "offload_policy=policy,")
+    w.line("                mp_policy=mp)")
 
 
 def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:

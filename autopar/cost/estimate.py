@@ -32,7 +32,7 @@ from autopar.cost.memory import (
     optimizer_step_time,
 )
 from autopar.cost.pipeline import pipeline_step_time
-from autopar.cost.precision import Precision
+from autopar.cost.precision import Precision, state_bytes
 from autopar.ir.graph import Graph
 
 
@@ -126,13 +126,15 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
     expert = sum(c.expert_params * k for c, k in blocks)
     held = 1.0
     if train:
+        param_b, grad_b, optim_b, copy_b = state_bytes(precision, config.engine)
         for numel, n in ((dense, config.dp * config.ep), (expert, config.dp)):
-            states = model_state_bytes(numel, n, config.zero_stage, precision.param_bytes,
-                                       precision.grad_bytes, precision.optimizer_bytes,
+            states = model_state_bytes(numel, n, config.zero_stage, param_b, grad_b, optim_b,
                                        config.trainable_fraction)
             mem.params += states.params
             mem.grads += states.grads
             mem.optimizer += states.optimizer
+            if config.zero_stage < 3:  # the compute copy: kept from the forward to the end
+                mem.buffers += numel * copy_b  # of the backward (ZeRO-3 gathers per block)
         held = inflight_microbatches(config.schedule, config.pp, stage,
                                      config.num_microbatches, config.virtual_stages)
         on_device = min(held, 1.0) if "activations" in config.offload else held

@@ -72,6 +72,20 @@ class Precision:
 FP32 = Precision("fp32", "fp32", "fp32")
 
 
+def state_bytes(precision: Precision, engine: str) -> tuple[int, int, int, int]:
+    """Bytes per parameter of (the parameter as held, its gradient, optimizer states, a
+    transient copy in the compute dtype) for an engine.
+
+    Megatron-LM and DeepSpeed hold the parameter in ``param`` and an fp32 master copy in the
+    optimizer. autopar's runtime holds the fp32 parameter itself as the master: FSDP2's
+    MixedPrecisionPolicy gathers it cast to ``param`` per block, and autocast casts it per
+    step otherwise, so the low-precision copy is transient (counted with the buffers).
+    """
+    if engine == "autopar" and precision.param != "fp32":
+        return MASTER_BYTES, precision.grad_bytes, ADAM_MOMENT_BYTES, precision.param_bytes
+    return precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes, 0
+
+
 def default_precision(device: DeviceSpec) -> Precision:
     """The fastest precision the device trains in: bf16 compute with fp32 reductions where its
     matrix units run bf16; fp16 with dynamic loss scaling where they run only fp16 (V100);

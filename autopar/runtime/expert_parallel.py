@@ -197,16 +197,17 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    from autopar.runtime.parallelize import _has_accelerator, _layer_names
+    from autopar.runtime.parallelize import _has_accelerator, _layer_names, mixed_precision_policy
 
     dp, ep = plan.mesh["dp"], plan.mesh["ep"]
     dense = dense_mesh(mesh)
     offload = {"optimizer", "params"} & set(plan.offload)
     reshard = plan.zero_stage == 3
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
+    mp = mixed_precision_policy(plan)
     for module in experts:
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard,
-                    offload_policy=policy)
+                    offload_policy=policy, mp_policy=mp)
         # each rank's expert gradient already sums the ep ranks' tokens: dividing the dp
         # sum by dp x ep gives the gradient of the global-batch mean loss
         module.set_gradient_divide_factor(float(dp * ep))
@@ -215,8 +216,9 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
         module.set_force_sum_reduction_for_comms(dp > 1)
     for name in _layer_names(plan):
         fully_shard(model.get_submodule(name), mesh=dense, reshard_after_forward=reshard,
-                    offload_policy=policy)
-    fully_shard(model, mesh=dense, reshard_after_forward=reshard, offload_policy=policy)
+                    offload_policy=policy, mp_policy=mp)
+    fully_shard(model, mesh=dense, reshard_after_forward=reshard, offload_policy=policy,
+                mp_policy=mp)
     return True
 
 

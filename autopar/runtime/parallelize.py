@@ -118,12 +118,14 @@ def shard_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | Non
     # needs an accelerator, so it is pinned only where one exists
     offload = {"optimizer", "params"} & set(plan.offload)
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
+    mp = mixed_precision_policy(plan)
     present = dict(module.named_modules())
     for name in _layer_names(plan):
         if name in present:
             fully_shard(present[name], mesh=dp_mesh, reshard_after_forward=reshard,
-                        offload_policy=policy)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+                        offload_policy=policy, mp_policy=mp)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
+                mp_policy=mp)
     return True
 
 
@@ -150,6 +152,33 @@ def apply_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
     if shard_data_parallel(model, plan, dp_mesh):
         return model, False
     return replicate_data_parallel(model, plan, dp_mesh)
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch's dtype for a plan's short dtype name (fp32, bf16, fp16)."""
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+def plan_precision(plan: Plan):
+    """The plan's Precision (fp32 when the plan records none)."""
+    from autopar.cost.precision import FP32, Precision
+
+    return Precision.from_dict(plan.precision) if plan.precision else FP32
+
+
+def mixed_precision_policy(plan: Plan):
+    """FSDP2's MixedPrecisionPolicy for the plan: parameters gathered in its param dtype,
+    gradients reduced in its reduce dtype; the sharded fp32 parameters are the master copy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    p = plan_precision(plan)
+    if p.param == "fp32" and p.reduce == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(p.param),
+                                reduce_dtype=torch_dtype(p.reduce))
 
 
 def _has_accelerator() -> bool:

@@ -333,7 +333,7 @@ def sync_tied_grads(modules: list[nn.Module], tied: dict, pp_group) -> None:
                         p.grad = torch.zeros_like(p)
                     grads.append(p.grad)
         # fully_shard splits the copies over dp: sum full gradients, then take each shard back
-        total = torch.zeros(shape)
+        total = torch.zeros(shape, dtype=grads[0].dtype, device=grads[0].device)
         for g in grads:
             total += g.full_tensor() if hasattr(g, "full_tensor") else g
         dist.all_reduce(total, group=pp_group)

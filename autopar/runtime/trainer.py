@@ -104,6 +104,11 @@ class Trainer:
         check_expert_parallel(plan)
         self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = run_device(device)
+        # the program's precision: autocast's compute dtype, and dynamic loss scaling (fp16)
+        self.autocast = getattr(program, "AUTOCAST", None) if program is not None else None
+        self.scaler = torch.amp.GradScaler(self.device.type) \
+            if program is not None and getattr(program, "LOSS_SCALING", False) else None
         model = build_from_source(source, seed, "meta")
         check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
@@ -134,7 +139,8 @@ class Trainer:
             model = self._pipeline(model, reference, plan, mesh, device, dp_mesh, program)
         else:
             program.parallelize(model, mesh, plan)
-            self.init_report = materialize(model, seed, reference=reference, device=device)
+            self.init_report = materialize(model, seed, reference=reference,
+                                           device=self.device)
             # DDP broadcasts and buckets real tensors: only after materialize
             model = program.replicate(model, mesh, plan)
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
@@ -165,13 +171,15 @@ class Trainer:
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
         spec = program.PIPELINE
+        loss_fn = _lm_loss if self.scaler is None else \
+            (lambda out, target: self.scaler.scale(_lm_loss(out, target)))
         original = model
 
         def lay_out(stage: nn.Module) -> None:
             program.parallelize_stage(stage, mesh, plan, original)
 
         stages, self.pipe, modules = build_pipeline(
-            model, plan, mesh["pp"], device, example, _lm_loss, lay_out,
+            model, plan, mesh["pp"], device, example, loss_fn, lay_out,
             chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
             microbatches=spec["microbatches"])
         self.pp_group = mesh["pp"].get_group()
@@ -183,13 +191,16 @@ class Trainer:
         from autopar.runtime.pipeline import sync_tied_grads
 
         losses: list[torch.Tensor] = []
-        self.pipe.step(mine[:, :-1], target=mine[:, 1:], losses=losses)
+        with self._compute():
+            self.pipe.step(mine[:, :-1], target=mine[:, 1:], losses=losses)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp
             from autopar.runtime.pipeline import all_reduce_replica_grads
 
             all_reduce_replica_grads(list(self.model), self.dp_group, self.plan.mesh["dp"])
-        total = torch.stack([loss.detach() for loss in losses]).mean() if losses \
-            else torch.zeros(())
+        total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
+            else torch.zeros((), device=self.device)
+        if self.scaler is not None and losses:
+            total = total / self.scaler.get_scale()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
         if self.tied:
             sync_tied_grads(list(self.model), self.tied, self.pp_group)
@@ -202,23 +213,31 @@ class Trainer:
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
         # each data-parallel rank reads only its rows of this step's global batch
         mine = self.data.rows(self.step_index, plan.global_batch, self.seq, self.seed,
-                              self.dp_rank * per_replica, per_replica)
+                              self.dp_rank * per_replica, per_replica).to(self.device)
         m, b = plan.num_microbatches, plan.microbatch_size
         if self.pipe is not None:
             total = self._pipeline_step(mine)
         else:
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.device)
             for i in range(m):
                 chunk = mine[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
-                    loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
-                    (loss / m).backward()
+                    with self._compute():
+                        loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
+                    scaled = loss / m
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 total += _full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and step on true gradients
         if self.grad_clip:
             self._clip()
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when a gradient overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         if self.replica_group is not None:
@@ -254,6 +273,14 @@ class Trainer:
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    def _compute(self):
+        """autocast to the program's compute dtype (bf16, fp16), or nothing (fp32)."""
+        import contextlib
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _activation_offload(self):
         """save_on_cpu keeps saved activations in host memory when the plan offloads them."""
@@ -305,19 +332,22 @@ def clip_grad_norm(params, max_norm: float, group=None, scale=None) -> torch.Ten
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32)
+    # on the gradients' device: the collectives below need it there (NCCL takes no CPU tensors)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
     buckets: dict[tuple, list] = {}
     for g in grads:
         if not hasattr(g, "device_mesh"):
-            squares = squares + g.detach().float().pow(2).sum().cpu()
+            squares = squares + g.detach().float().pow(2).sum().to(device)
             continue
         if any(pl.is_partial() for pl in g.placements):
-            squares = squares + g.full_tensor().float().pow(2).sum().cpu()
+            squares = squares + g.full_tensor().float().pow(2).sum().to(device)
             continue
         dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
         entry = buckets.setdefault((id(g.device_mesh), dims),
-                                   [torch.zeros((), dtype=torch.float32), g.device_mesh, dims])
-        entry[0] = entry[0] + g.to_local().detach().float().pow(2).sum().cpu()
+                                   [torch.zeros((), dtype=torch.float32, device=device),
+                                    g.device_mesh, dims])
+        entry[0] = entry[0] + g.to_local().detach().float().pow(2).sum().to(device)
     for local, mesh, dims in buckets.values():
         for dim in dims:
             dist.all_reduce(local, group=mesh.get_group(dim))
@@ -332,6 +362,18 @@ def clip_grad_norm(params, max_norm: float, group=None, scale=None) -> torch.Ten
         for g in grads:
             (g.to_local() if hasattr(g, "to_local") else g).mul_(float(factor))
     return total
+
+
+def run_device(device_type: str) -> torch.device:
+    """This process's device: the CPU, or the accelerator LOCAL_RANK names (set as current
+    here, so that every tensor a collective meets is on it)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    import os
+
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.accelerator.set_device_index(index)
+    return torch.device(device_type, index)
 
 
 def _peak_memory() -> int:

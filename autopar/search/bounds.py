@@ -21,6 +21,7 @@ from autopar.cost.memory import (
     optimizer_step_time,
 )
 from autopar.cost.pipeline import fill_drain_factor
+from autopar.cost.precision import state_bytes
 from autopar.ir.graph import Graph
 from autopar.search.recompute import MODES
 from autopar.search.space import ModelFacts
@@ -186,11 +187,11 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
     dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
     experts = facts.expert_params / (config.ep * config.pp)
     out = MemoryBreakdown()
+    param_b, grad_b, optim_b, _ = state_bytes(precision, config.engine)
     for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
         if train:
-            states = model_state_bytes(numel, replicas, config.zero_stage, precision.param_bytes,
-                                       precision.grad_bytes, precision.optimizer_bytes,
-                                       config.trainable_fraction)
+            states = model_state_bytes(numel, replicas, config.zero_stage, param_b, grad_b,
+                                       optim_b, config.trainable_fraction)
         else:
             states = MemoryBreakdown(params=numel * precision.param_bytes)
         out.params += states.params
