@@ -343,7 +343,9 @@ def clip_grad_norm(params, max_norm: float, group=None, scale=None) -> torch.Ten
         if any(pl.is_partial() for pl in g.placements):
             squares = squares + g.full_tensor().float().pow(2).sum().to(device)
             continue
-        dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+        # every split mesh dimension (FSDP's _StridedShard under tp is not is_shard())
+        dims = tuple(i for i, pl in enumerate(g.placements)
+                     if not pl.is_replicate() and not pl.is_partial())
         entry = buckets.setdefault((id(g.device_mesh), dims),
                                    [torch.zeros((), dtype=torch.float32, device=device),
                                     g.device_mesh, dims])

@@ -59,8 +59,10 @@ FIXTURES = str(Path(__file__).resolve().parent.parent / "fixtures")
 
 def _compile_and_train(tmp_path, devices: int, constraints: str) -> list[float]:
     art = tmp_path / constraints.replace(",", "_").replace("=", "")
+    # fp32: compared with one process to 1e-4
+    pins = ",".join(filter(None, (constraints, "precision=fp32")))
     args = ["compile", "plain_lm:make", "--devices", str(devices), "--global-batch", "4",
-            "--out", str(art), "-q"] + (["--constraints", constraints] if constraints else [])
+            "--out", str(art), "-q", "--constraints", pins]
     made = run_cli(*args, cwd=FIXTURES)
     assert made.returncode == 0, made.stderr
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -109,7 +111,8 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
 
     art = tmp_path / "art"
     made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
+                   "4", "--constraints", "dp=2,pp=1,zero_stage=3,precision=fp32", "--out",
+                   str(art), "-q")
     assert made.returncode == 0, made.stderr
     port = free_port()
     agents = [subprocess.Popen(
@@ -131,7 +134,8 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
 
     single = tmp_path / "single"
     assert run_cli("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
-                   "4", "--out", str(single), "-q").returncode == 0
+                   "4", "--constraints", "precision=fp32", "--out", str(single),
+                   "-q").returncode == 0
     assert run_cli("run", str(single), "--steps", "3", "--device", "cpu").returncode == 0
     reference = [json.loads(line)["loss"] for line in
                  (single / "logs" / "train.jsonl").read_text().splitlines()]

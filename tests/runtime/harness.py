@@ -13,7 +13,8 @@ from autopar.cost.profile_comm import free_port
 
 def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict, steps: int,
             seed: int, checkpoint_dir: str | None = None, resume: bool = False,
-            data: str = "synthetic", probe=None, program: str = "") -> None:
+            data: str = "synthetic", probe=None, program: str = "",
+            first_grads: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,14 +33,24 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
                           device="cpu", seed=seed, data=data)
         if resume:
             trainer.resume(checkpoint_dir)
+        captured: dict = {}
+        if first_grads:
+            _capture_first_gradients(trainer, captured)
         losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
         sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
                       and any(pl.is_shard() for pl in p.placements))
         probed = probe(trainer) if probe is not None else None  # on every rank: it may assert
+        if first_grads:  # every rank's, merged: pipeline ranks hold different parameters
+            everyone: list = [None] * world
+            if world > 1:
+                dist.all_gather_object(everyone, captured)
+            else:
+                everyone = [captured]
+            probed = {k: v for d in everyone for k, v in d.items()}
         if world > 1:
             dist.barrier()  # all ranks done before any tears gloo down
         if rank == 0:
-            out.put(("ok", (losses, sharded) if probe is None else (losses, sharded, probed)))
+            out.put(("ok", (losses, sharded) if probed is None else (losses, sharded, probed)))
     except Exception as exc:  # reported to the test as text
         import traceback
 
@@ -48,6 +59,30 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _capture_first_gradients(trainer, into: dict) -> None:
+    """Record every parameter's full gradient as the first optimizer step sees it (after the
+    gradient sync and clipping), keyed by its name in the plain model."""
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        if not into:
+            for name, p in trainer.model.named_parameters():
+                g = p.grad
+                if g is None:
+                    continue
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                name = name.removeprefix("module.")
+                if trainer.pipe is not None:  # drop the stage's ModuleList index
+                    name = name.split(".", 1)[1]
+                name = ".".join(p for p in name.split(".") if p not in
+                                ("_checkpoint_wrapped_module", "_fsdp_wrapped_module"))
+                # numpy pickles by value: a tensor would travel as shared memory
+                into[name] = g.detach().float().numpy().copy()
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
 
 
 def rank_context():
@@ -91,15 +126,16 @@ def spawn_ranks(target, world: int, args: tuple = (), timeout_s: float = 180.0,
 
 def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
               checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
-              probe=None) -> tuple:
+              probe=None, first_grads: bool = False) -> tuple:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
     many of its parameters are sharded DTensors). Every rank runs the program autopar
     generates for ``plan`` (what train.py holds). ``probe``, a module-level function of the
     Trainer, runs on every rank after training (collectives allowed); rank 0's result is
-    appended as a third item."""
+    appended as a third item; with ``first_grads``, every parameter's gradient at the first
+    optimizer step (all ranks', by plain-model name) is."""
     from autopar.codegen import program_text
 
     program = program_text(plan, source)
     return spawn_ranks(_worker, plan.devices,
                        (plan.devices, source, plan.to_dict(), steps, seed, checkpoint_dir, resume,
-                        data, probe, program), timeout_s)[0]
+                        data, probe, program, first_grads), timeout_s)[0]

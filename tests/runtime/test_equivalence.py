@@ -24,6 +24,7 @@ def llama():
 def _plan(graph, devices: int, **pins):
     pins.setdefault("pp", 1)
     pins.setdefault("num_microbatches", 2)
+    pins.setdefault("precision", "fp32")  # compared with one fp32 process
     return autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
 
 

@@ -35,7 +35,8 @@ def mixtral(graph):
 
 def _plan(graph, devices: int, **pins):
     pins = dict(dict(pp=1, tp=1, num_microbatches=2), **pins)
-    plan = autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
+    plan = autopar.plan(graph, devices=devices, global_batch=BATCH,
+                        constraints=dict(pins, precision="fp32"))
     if pins["tp"] > 1:  # the full-size Mixtral's attention split; experts stay whole on a rank
         plan = with_full_size_layout(plan, "tiny-mixtral")
     return plan

@@ -33,7 +33,7 @@ def _plan(model, how: str, full: str = "") -> dict:
 
     graph = autopar.capture(model, token_inputs(1, 32)) if isinstance(model, nn.Module) else \
         autopar.capture(model, seq=32)
-    base = dict(pp=1, num_microbatches=2)
+    base = dict(pp=1, num_microbatches=2, precision="fp32")
     if how == "zero3":
         return autopar.plan(graph, devices=2, global_batch=4, constraints=dict(
             base, tp=1, dp=2, zero_stage=3, microbatch_size=1)).to_dict()

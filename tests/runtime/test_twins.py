@@ -54,7 +54,7 @@ def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str, full_tp: i
     graph = autopar.capture(tiny, seq=32)
     source = describe_source(tiny)
     plan = autopar.plan(graph, devices=2, global_batch=4,
-                        constraints=dict(tp=2, dp=1, pp=1, microbatch_size=2,
+                        constraints=dict(tp=2, dp=1, pp=1, microbatch_size=2, precision="fp32",
                                          sequence_parallel=sequence_parallel))
     params = plan.placements["params"]
     for fqn in params:
@@ -65,7 +65,8 @@ def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str, full_tp: i
     assert len(per_layer) >= 2  # at least a column- and a row-parallel projection per layer
     assert split >= len(per_layer) * len(graph.layer_blocks)
     reference, _ = run_ranks(source, autopar.plan(graph, devices=1, global_batch=4,
-                                                  constraints=dict(microbatch_size=2)), STEPS)
+                                                  constraints=dict(microbatch_size=2,
+                                                                   precision="fp32")), STEPS)
     losses, sharded, logits = run_ranks(source, plan, STEPS, probe=_logits_layout)
     biases = sum(1 for k, v in params.items() if v.startswith("Shard") and k.endswith("bias"))
     assert sharded == split + biases  # every tensor the layout splits is a sharded DTensor
@@ -88,6 +89,7 @@ def test_fused_projections_split_inside_pipeline_stages(full: str, tiny: str,
     source = describe_source(tiny)
     plan = autopar.plan(graph, devices=4, global_batch=4,
                         constraints=dict(tp=2, dp=1, pp=2, microbatch_size=1, schedule="1f1b",
+                                         precision="fp32",
                                          sequence_parallel=False))
     params = plan.placements["params"]
     for fqn in params:
@@ -96,7 +98,8 @@ def test_fused_projections_split_inside_pipeline_stages(full: str, tiny: str,
     fused = {p for p in plan.placements["fused"] if params[p + ".weight"].startswith("Shard")}
     assert fused  # ... and the full-size layout splits them
     reference, _ = run_ranks(source, autopar.plan(graph, devices=1, global_batch=4,
-                                                  constraints=dict(microbatch_size=1)), STEPS)
+                                                  constraints=dict(microbatch_size=1,
+                                                                   precision="fp32")), STEPS)
     losses, sharded = run_ranks(source, plan, STEPS)
     assert sharded > 0
     assert losses == pytest.approx(reference, rel=1e-4)
