@@ -9,6 +9,8 @@ recompute as planned, DDP or fully_shard per the plan's ZeRO stage and offload.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,19 +37,23 @@ def check_module_paths(model: nn.Module, plan: Plan) -> None:
                         f"one (autopar compile, or autopar.plan)")
 
 
-def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
+def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
+                example: torch.Tensor | None = None, loss_fn=None) -> nn.Module | Pipeline:
     """``model`` (built and initialised on every rank, on ``device``) parallelised as ``plan``
-    says, in the current process group (world size = ``plan.devices``); returns the module to
-    train (a DDP wrapper under ZeRO-0/1, else ``model`` itself). Outputs stay whole, so any
-    loss works. Tensor-parallel weights are taken from rank 0.
+    says, in the current process group (world size = ``plan.devices``).
 
-    Pipelines and expert parallelism are not applied here yet: a plan with pp > 1 or ep > 1 is
-    refused (re-plan with constraints pp=1,ep=1).
+    Without pipeline stages it returns the module to train (a DDP wrapper under ZeRO-0/1, else
+    ``model`` itself); outputs stay whole, so any loss works. Tensor-parallel weights are taken
+    from rank 0. With pipeline stages (pp > 1) it returns a :class:`Pipeline`: this rank's
+    stages and the planned schedule; give ``example`` (one micro-batch of inputs, to trace the
+    model) and ``loss_fn(output, target)``, then call ``pipeline.step(inputs, target)`` each
+    step. Expert parallelism is not applied here yet (re-plan with constraints ep=1, or train
+    with autopar run).
     """
     refuse_unsupported(plan)
-    if plan.mesh["pp"] > 1 or plan.mesh["ep"] > 1:
-        raise PlanError("autopar.parallelize does not apply pipelines or expert parallelism "
-                        "yet; re-plan with constraints pp=1,ep=1 (or train with autopar run)")
+    if plan.mesh["ep"] > 1:
+        raise PlanError("autopar.parallelize does not apply expert parallelism yet; re-plan "
+                        "with constraints ep=1 (or train with autopar run)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
@@ -55,6 +61,11 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
     check_module_paths(model, plan)
     from autopar.runtime.mesh import build_mesh, single_process_mesh
 
+    if plan.mesh["pp"] > 1:
+        if example is None or loss_fn is None:
+            raise PlanError("the plan has pipeline stages: pass example= (one micro-batch of "
+                            "inputs) and loss_fn=(output, target) to autopar.parallelize")
+        return _pipeline(model, plan, device, build_mesh(plan, device), example, loss_fn)
     dp_mesh = None
     if world > 1:
         mesh = build_mesh(plan, device)
@@ -69,12 +80,77 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu") -> nn.Module:
     return replicate_data_parallel(model, plan, dp_mesh)[0]
 
 
-def optimizer(model: nn.Module, plan: Plan, cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+@dataclass
+class Pipeline:
+    """This rank's pipeline stages (``modules``, one nn.ModuleList to optimise) and the
+    planned schedule, returned by :func:`parallelize` for a plan with pp > 1."""
+
+    modules: nn.ModuleList
+    schedule: object
+    plan: Plan
+    pp_group: object
+    dp_group: object | None
+    replicated: bool  # ZeRO-0/1 replicas: gradients averaged over dp after each step
+    tied: dict  # tied weights' copies on several stages: gradients summed across them
+
+    def parameters(self):
+        return self.modules.parameters()
+
+    def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one global batch share (every rank passes the same
+        ``inputs`` and ``target`` of its data-parallel rows; the schedule cuts them into
+        micro-batches); returns the mean loss on every rank. Step the optimizer after it."""
+        from autopar.runtime.pipeline import all_reduce_replica_grads, sync_tied_grads
+
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=target, losses=losses)
+        if self.replicated:
+            all_reduce_replica_grads(list(self.modules), self.dp_group, self.plan.mesh["dp"])
+        if self.tied:
+            sync_tied_grads(list(self.modules), self.tied, self.pp_group)
+        device = next(self.modules.parameters()).device
+        total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
+            else torch.zeros((), device=device)
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
+        return total
+
+
+def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, example: torch.Tensor,
+              loss_fn) -> Pipeline:
+    """Trace ``model`` (built, with weights), split it at the plan's stages, and lay each of
+    this rank's stages out as the generated program does: tensor parallelism (traced
+    styles), recompute, data parallelism."""
+    from autopar.runtime.pipeline import build_pipeline, replicated_stages, tied_copies
+    from autopar.runtime.tensor_parallel import apply_layout, tensor_parallel_layout
+
+    tied = tied_copies(model)
+    layout = tensor_parallel_layout(model, plan, traced=True) if plan.mesh["tp"] > 1 else None
+    dp_mesh = mesh["dp"]
+
+    def lay_out(stage: nn.Module) -> None:
+        if layout is not None:
+            apply_layout(stage, layout, mesh["tp"], original=model)
+        apply_recompute(stage, plan, skip_missing=True)
+        shard_data_parallel(stage, plan, dp_mesh)
+
+    _, schedule, modules = build_pipeline(model, plan, mesh["pp"], device, example, loss_fn,
+                                          lay_out)
+    dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
+    return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
+                    replicated_stages(plan, dp_mesh), tied)
+
+
+def optimizer(model: nn.Module | Pipeline, plan: Plan,
+              cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
               **kwargs) -> torch.optim.Optimizer:
-    """The optimizer for a :func:`parallelize`-d model: ``cls(params, **kwargs)``, with its
-    states sharded over the data-parallel ranks (ZeroRedundancyOptimizer) when the plan says
-    ZeRO-1 and the model is DDP-replicated."""
+    """The optimizer for a :func:`parallelize`-d model or pipeline: ``cls(params,
+    **kwargs)``, with its states sharded over the data-parallel ranks
+    (ZeroRedundancyOptimizer) when the plan says ZeRO-1 over replicas."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(model, Pipeline) and model.replicated and plan.zero_stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, cls, process_group=model.dp_group, **kwargs)
     if plan.zero_stage == 1 and isinstance(model, nn.parallel.DistributedDataParallel):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

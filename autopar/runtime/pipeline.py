@@ -293,8 +293,8 @@ def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,
 
 
 def _untie(model: nn.Module) -> None:
-    """Give every tied alias (an LM head sharing the embedding's weight) its own meta
-    Parameter before tracing: otherwise the tracer passes the shared weight from the first
+    """Give every tied alias (an LM head sharing the embedding's weight) its own Parameter
+    (on meta for a meta model) before tracing: otherwise the tracer passes the shared weight from the first
     stage to the last as an activation, which the interleaved schedules refuse (non-adjacent
     stages). The copies are initialised alike (materialize maps aliases to their owner) and
     their gradients summed (:func:`sync_tied_grads`), so training is unchanged."""
@@ -302,8 +302,9 @@ def _untie(model: nn.Module) -> None:
         parent, _, attr = alias.rpartition(".")
         module = model.get_submodule(parent) if parent else model
         shared = getattr(module, attr)
-        setattr(module, attr, nn.Parameter(torch.empty_like(shared, device="meta"),
-                                           requires_grad=shared.requires_grad))
+        copy = torch.empty_like(shared, device="meta") if shared.is_meta else \
+            shared.detach().clone()  # a built model (autopar.parallelize): the same values
+        setattr(module, attr, nn.Parameter(copy, requires_grad=shared.requires_grad))
 
 
 def tied_copies(original: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -55,7 +55,9 @@ def test_parallelize_refuses_what_it_does_not_apply_yet() -> None:
 
     graph = autopar.capture(model, token_inputs(1, 32))
     plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pp=2))
-    with pytest.raises(autopar.PlanError, match="pipelines"):
+    plan.devices = 1  # as if launched right: the missing pipeline arguments are named
+    plan.mesh = {**plan.mesh, "pp": 2}
+    with pytest.raises(autopar.PlanError, match="example=.*loss_fn="):
         autopar.parallelize(model, plan)
     plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pp=1, dp=2))
     with pytest.raises(autopar.PlanError, match="torchrun --nproc-per-node 2"):

@@ -1,0 +1,104 @@
+"""``autopar.parallelize`` with pipeline stages: your own loss and loop around the planned
+stages and schedule, equal to one process."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+
+import autopar
+from autopar.models import GPT, GPTConfig, token_inputs
+
+from .harness import spawn_ranks
+
+pytestmark = pytest.mark.dist
+CFG = dict(vocab_size=128, seq_len=32, d_model=64, n_layers=4, n_heads=4)
+BATCH, STEPS = 4, 4
+
+
+def _batches():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, CFG["vocab_size"], (BATCH, CFG["seq_len"] + 1), generator=g)
+            for _ in range(STEPS)]
+
+
+def _loss(logits, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _own_loop(rank: int, port: int, out, world: int, plan_dict: dict | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.plan import Plan
+    from autopar.runtime.apply import optimizer
+
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))  # every rank builds the same weights
+        losses = []
+        if plan_dict is None:  # one process, the plain model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for batch in _batches():
+                loss = _loss(model(batch[:, :-1]), batch[:, 1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss))
+        else:
+            plan = Plan.from_dict(plan_dict)
+            dp = plan.mesh["dp"]
+            mine = dist.get_rank() % (dp * plan.mesh["tp"]) // plan.mesh["tp"]
+            share = BATCH // dp
+            example = torch.zeros(plan.microbatch_size, CFG["seq_len"], dtype=torch.long)
+            pipe = autopar.parallelize(model, plan, example=example, loss_fn=_loss)
+            opt = optimizer(pipe, plan, lr=1e-2)
+            for batch in _batches():
+                rows = batch[mine * share:(mine + 1) * share]
+                total = pipe.step(rows[:, :-1], target=rows[:, 1:])
+                opt.step()
+                opt.zero_grad()
+                if dp > 1:
+                    dist.all_reduce(total, group=pipe.dp_group)
+                    total /= dp
+                losses.append(float(total))
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            out.put(("ok", losses))
+    except Exception as exc:  # reported to the test
+        import traceback
+
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
+                          f"{traceback.format_exc()[-2000:]}"))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pins", [dict(pp=2, dp=1, tp=1, schedule="1f1b"),
+                                  dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="gpipe"),
+                                  dict(pp=2, dp=1, tp=2, schedule="1f1b",
+                                       sequence_parallel=False)],
+                         ids=["pp2", "pp2xdp2-zero1", "pp2xtp2"])
+def test_parallelize_a_pipeline_in_your_own_loop(pins: dict) -> None:
+    graph = autopar.capture(GPT(GPTConfig(**CFG)), token_inputs(1, CFG["seq_len"]))
+    devices = pins["pp"] * pins["dp"] * pins["tp"]
+    plan = autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="cpu",
+                        constraints=dict(pins, microbatch_size=1, precision="fp32"))
+    assert plan.mesh["pp"] == 2
+    reference = spawn_ranks(_own_loop, 1, (1, None))[0]
+    losses = spawn_ranks(_own_loop, devices, (devices, plan.to_dict()))[0]
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert len(set(losses)) == len(losses)  # every step changed the weights
