@@ -89,6 +89,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         if op.kind is OpKind.MOE_EXPERT:
             divisor = 1.0  # ep moves tokens to experts; per-device expert work is unchanged
             expert_param_names.update(op.params)
+        elif name in layout.kv:  # one kv head of kv per rank; the weights stay whole
+            divisor = float(layout.kv[name])
         elif name in layout.column or name in layout.row or name in layout.sharded or sp:
             divisor = float(tp)
         else:
@@ -108,7 +110,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         fwd_bytes = [graph.op(n).output_bytes * byte_scale for n in layout.row]
         col_inputs = {graph.op(n).inputs[0]: graph.op(n).input_meta[0].nbytes
-                      for n in layout.column if graph.op(n).inputs}
+                      for n in [*layout.column, *layout.kv] if graph.op(n).inputs}
         bwd_bytes = [b * byte_scale for b in col_inputs.values()]
         per = [sum(axis_collective_time(k, b, config, "tp", cluster) for k in kinds)
                for b in fwd_bytes + bwd_bytes]

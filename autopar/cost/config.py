@@ -20,6 +20,9 @@ class BlockLayout:
     column: tuple[int, ...] = ()  # column-parallel linears (output features split)
     row: tuple[int, ...] = ()  # row-parallel linears (input split; output reduced)
     sharded: tuple[int, ...] = ()  # ops whose outputs are split over tp
+    # key/value projections of an attention with fewer kv heads than tp: each rank computes
+    # the one kv head its query heads read (replicated over tp / kv ranks): (op, kv heads)
+    kv: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

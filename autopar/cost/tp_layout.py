@@ -24,6 +24,7 @@ class TPLayout:
     column: list[str] = field(default_factory=list)  # column-parallel linears
     row: list[str] = field(default_factory=list)  # row-parallel linears (all-reduce after)
     sharded: set[str] = field(default_factory=set)  # ops whose outputs are split over tp
+    kv: dict[str, int] = field(default_factory=dict)  # kv-head-replicated linear -> kv heads
 
 
 # the Megatron layout is a pure function of the graph: memoised per graph, never written from
@@ -38,7 +39,8 @@ def tp_layout(graph: Graph, block: Block, layouts: TPLayouts | None = None) -> T
     if chosen is not None:
         names = block.nodes
         return TPLayout([names[i] for i in chosen.column], [names[i] for i in chosen.row],
-                        {names[i] for i in chosen.sharded})
+                        {names[i] for i in chosen.sharded},
+                        {names[i]: heads for i, heads in chosen.kv})
     return megatron_layout(graph, block)
 
 
@@ -52,7 +54,8 @@ def megatron_layout(graph: Graph, block: Block) -> TPLayout:
     for name in block.nodes:
         op = graph.op(name)
         inputs_split = any(src in split for src in op.inputs)
-        if op.kind is OpKind.LINEAR and op.params:
+        if op.kind is OpKind.LINEAR and op.params and not any(tied(graph, p)
+                                                               for p in op.params):
             if inputs_split:
                 layout.row.append(name)  # output all-reduced: replicated again
             else:
@@ -67,11 +70,18 @@ def megatron_layout(graph: Graph, block: Block) -> TPLayout:
     return layout
 
 
+def tied(graph: Graph, param: str) -> bool:
+    """Whether ``param`` is shared by several modules (a tied embedding and LM head): one
+    tensor cannot carry two tensor-parallel layouts, so it stays replicated."""
+    info = graph.params.get(param)
+    return bool(info is not None and info.aliases)
+
+
 def vocab_parallel(graph: Graph, op_name: str, tp: int) -> bool:
     """Whether an embedding lookup splits its table over ``tp`` ranks (vocabulary parallel):
     only when the rows divide evenly; otherwise it stays replicated."""
     op = graph.op(op_name)
-    if op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params:
+    if op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params or tied(graph, op.params[0]):
         return False
     shape = graph.params[op.params[0]].shape if op.params[0] in graph.params else ()
     return bool(shape) and shape[0] % tp == 0

@@ -29,7 +29,8 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
                             moe: bool, schedule: str = "1f1b",
                             recompute: frozenset[str] = frozenset(),
-                            num_microbatches: int = 0) -> str | None:
+                            num_microbatches: int = 0, kv_replicated: bool = False
+                            ) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
     another engine (megatron, deepspeed) are exported, not run: they are restricted only to
     what that engine offers."""
@@ -56,6 +57,9 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return "sequence parallelism inside pipeline stages (constraints sequence_parallel=false or pp=1)"
     if ep > 1 and pp > 1:
         return "expert parallelism with pipeline parallelism (constraints pp=1)"
+    if kv_replicated and tp > 1 and pp > 1:
+        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
+                "(constraints pp=1, or a tp that divides the kv heads)")
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     if ep > 1 and zero_stage == 1 and not offload:
@@ -79,6 +83,8 @@ def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
         zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
         offload=frozenset(config.offload), moe=moe, schedule=config.schedule,
         num_microbatches=config.num_microbatches,
+        kv_replicated=config.tp_layouts is not None and any(
+            layout.kv for _, layout in config.tp_layouts.by_type),
         recompute=frozenset((config.recompute,) if isinstance(config.recompute, str)
                             else config.recompute))
 
@@ -92,7 +98,8 @@ def plan_unsupported(plan: Plan) -> str | None:
         offload=frozenset(plan.offload),
         moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
-        num_microbatches=plan.num_microbatches)
+        num_microbatches=plan.num_microbatches,
+        kv_replicated=any("(kv-heads)" in v for v in plan.placements.get("params", {}).values()))
 
 
 def refuse_unsupported(plan: Plan) -> None:

@@ -48,3 +48,50 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``: the input of a layer
+    whose ranks each compute a different part of its output (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` unchanged, its gradient summed over ``group`` in the backward."""
+    return _CopyToGroup.apply(x, group)
+
+
+class _RowsOfShared(torch.autograd.Function):
+    """Rows ``[start, start + count)`` of a weight every rank of ``group`` holds whole; each
+    rank's gradient covers only its rows, so the backward places it in a zero gradient of the
+    whole weight and sums over ``group``: every rank ends with the whole weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, start: int, count: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.shape, ctx.start, ctx.count, ctx.group = weight.shape, start, count, group
+        return weight.narrow(0, start, count)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        whole = grad.new_zeros(ctx.shape)
+        whole.narrow(0, ctx.start, ctx.count).copy_(grad)
+        dist.all_reduce(whole, group=ctx.group)
+        return whole, None, None, None
+
+
+def rows_of_shared(weight: torch.Tensor, start: int, count: int,
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable ``weight[start:start + count]`` of a weight replicated over ``group``
+    whose rows the ranks use in parts (see :class:`_RowsOfShared`)."""
+    return _RowsOfShared.apply(weight, start, count, group)

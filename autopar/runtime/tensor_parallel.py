@@ -31,8 +31,9 @@ from torch.distributed.tensor.parallel import (
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.tp_styles import (
-    Conv1dRowwise,
-    FusedColwise,
+    ColumnParallel,
+    KvHeadReplicated,
+    RowParallel,
     is_conv1d,
     localize_heads,
     output_dim,
@@ -137,8 +138,8 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
         if path in tied or path not in present:
             continue
         # the stored weight's output-feature dimension: 0 for nn.Linear, 1 for Conv1D
-        out[path] = "col" if placement.startswith(f"Shard({output_dim(present[path])})") \
-            else "row"
+        out[path] = "kv" if "(kv-heads)" in placement else \
+            "col" if placement.startswith(f"Shard({output_dim(present[path])})") else "row"
     return out
 
 
@@ -186,6 +187,9 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     fused = {p: parts for p, parts in plan.placements.get("fused", {}).items()
              if split.get(p) == "col"}
     layout = TensorParallelLayout(traced=traced)
+    if traced and "kv" in split.values():
+        raise PlanError("kv heads replicated over tensor-parallel ranks inside pipeline stages "
+                        "are not supported; re-plan with pp=1 or a tp that divides the kv heads")
     if traced:
         if plan.sequence_parallel:
             raise PlanError("sequence parallelism inside pipeline stages is not supported "
@@ -196,7 +200,7 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     else:
         present = dict(model.named_modules())
         for path, heads in plan.placements.get("heads", {}).items():
-            if path in present and any(k == "col" and _under(p, [path])
+            if path in present and any(k in ("col", "kv") and _under(p, [path])
                                        for p, k in split.items()):
                 layout.heads[path] = tuple(heads)
     if plan.sequence_parallel:
@@ -210,7 +214,8 @@ def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
     """The ParallelStyle objects a layout's source expressions describe (the names they use
     are the ones the generated program imports)."""
     names = {"RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
-             "FusedColwise": FusedColwise, "Conv1dRowwise": Conv1dRowwise,
+             "ColumnParallel": ColumnParallel, "RowParallel": RowParallel,
+             "KvHeadReplicated": KvHeadReplicated,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
     return {path: eval(src, {"__builtins__": {}}, names)  # noqa: S307 - our own text
             for path, src in styles.items()}
@@ -260,20 +265,31 @@ def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
         parts = f"{fused[path]}, " if path in fused else ""
         if isinstance(module, nn.Embedding):
             styles[path] = "RowwiseParallel(input_layouts=Replicate())"
+        elif kind == "kv":
+            styles[path] = _kv_style(plan, path)
         elif kind == "col" and in_layer:
-            styles[path] = f"FusedColwise({parts}use_local_output={not traced})"
+            styles[path] = f"ColumnParallel({parts}use_local_output={not traced})"
         elif kind == "col" and (traced or whole_logits):  # whole logits: a pipeline's last
             # stage, or a caller's own loss
-            styles[path] = "FusedColwise(output_layouts=Replicate())"
+            styles[path] = "ColumnParallel(output_layouts=Replicate())"
         elif kind == "col":  # the LM head: logits stay split over the vocabulary (the loss is
-            styles[path] = "FusedColwise(use_local_output=False)"  # vocabulary-parallel)
+            styles[path] = "ColumnParallel(use_local_output=False)"  # vocabulary-parallel)
         else:
-            styles[path] = "Conv1dRowwise()"
+            styles[path] = "RowParallel()"
     if traced:
         for region in _regions(model, layers, split):
             if any(_under(p, [region]) for p in split):
                 styles[region] = "Relayout(replicate_rest=True)"
     return _in_model_order(model, styles)
+
+
+def _kv_style(plan: Plan, path: str) -> str:
+    """The kv-head-replicated style of a key/value projection, sized by its attention's heads."""
+    for attention, (_, kv, head_dim) in plan.placements.get("heads", {}).items():
+        if _under(path, [attention]):
+            return f"KvHeadReplicated({kv}, {head_dim})"
+    raise PlanError(f"the plan replicates kv heads in {path} but records no attention heads "
+                    f"for it; re-plan it with this autopar version")
 
 
 def _in_model_order(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
@@ -328,8 +344,9 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         # a split region takes the gathered input as a DTensor, so that its backward
         # reduce-scatters the input gradient; a replicated one computes on plain tensors
         outputs = "None" if "row" in kinds else f"(Replicate(), {SHARD_SEQ})"
+        local = not {"col", "kv"} & kinds
         styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), "
-                          f"local_input={'col' not in kinds}, outputs={outputs})")
+                          f"local_input={local}, outputs={outputs})")
     for name in layers:
         for child, module in model.get_submodule(name).named_children():
             if _is_norm(module):
@@ -337,14 +354,17 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
     for path, kind in split.items():
         if _under(path, layers) is None:
             continue
-        styles[path] = (f"FusedColwise({fused[path]})" if path in fused else "FusedColwise()") \
+        if kind == "kv":
+            styles[path] = _kv_style(plan, path)
+            continue
+        styles[path] = (f"ColumnParallel({fused[path]})" if path in fused else "ColumnParallel()") \
             if kind == "col" else \
-            f"Conv1dRowwise(output_layouts={SHARD_SEQ}, use_local_output=False)"
+            f"RowParallel(output_layouts={SHARD_SEQ}, use_local_output=False)"
     for name, module in tail_side:
         if _is_norm(module):
             styles[name] = f"SequenceParallel(sequence_dim={SEQ})"
         elif split.get(name) == "col":
-            styles[name] = f"FusedColwise(input_layouts={SHARD_SEQ}, " + \
+            styles[name] = f"ColumnParallel(input_layouts={SHARD_SEQ}, " + \
                 ("output_layouts=Replicate())" if whole_logits else "use_local_output=False)")
         elif name in split:
             raise PlanError(f"the plan splits {name} by rows after the last layer; sequence "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from autopar.errors import PlanError
 
@@ -60,7 +60,7 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_d
         requires_grad=param.requires_grad))
 
 
-class FusedColwise(ColwiseParallel):
+class ColumnParallel(ColwiseParallel):
     """Column parallelism for nn.Linear and Conv1D whose output may be fused parts (each split
     over the ranks on its own, see the module docstring)."""
 
@@ -87,7 +87,7 @@ class FusedColwise(ColwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-class Conv1dRowwise(RowwiseParallel):
+class RowParallel(RowwiseParallel):
     """Row parallelism for nn.Linear and GPT-2's Conv1D (weight split on its input rows)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -106,8 +106,45 @@ class Conv1dRowwise(RowwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+class KvHeadReplicated(ParallelStyle):
+    """A key or value projection of an attention with fewer kv heads than tp: its weight stays
+    whole (a plain tensor) on every rank, and rank r computes only kv head ``r * kv // tp``,
+    the one its query heads read. The input's gradient and the weight's are summed over the
+    tensor-parallel ranks (each computed a part)."""
+
+    def __init__(self, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Partial
+
+        from autopar.runtime.comm import copy_to_group, rows_of_shared
+
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"kv-head replication of {type(module).__name__} is not supported "
+                            f"(nn.Linear is); re-plan with a tp that divides the kv heads")
+        tp, group = device_mesh.size(), device_mesh.get_group()
+        start = device_mesh.get_local_rank() * self.kv_heads // tp * self.head_dim
+        count = self.head_dim
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):  # a gathered sequence-parallel input
+                x = x.redistribute(device_mesh, (Replicate(),)).to_local(
+                    grad_placements=(Partial(),))
+            else:
+                x = copy_to_group(x, group)
+            weight = rows_of_shared(module.weight, start, count, group)
+            bias = rows_of_shared(module.bias, start, count, group) \
+                if module.bias is not None else None
+            return torch.nn.functional.linear(x, weight, bias)
+
+        module.forward = forward
+        return module
+
+
 # attribute names that hold a head count or a per-module width (not a head's own size)
-_COUNT_NAME = re.compile(r"head|split_size|embed_dim|hidden_size")
+_COUNT_NAME = re.compile(r"head|split_size|embed_dim|hidden_size|groups")
 _NOT_COUNT = re.compile(r"head_dim|head_size|layer_idx|max_position")
 
 
@@ -116,21 +153,28 @@ def localize_heads(module: nn.Module, heads: list[int], tp: int) -> None:
     them (Phi-3 slices ``qkv`` at ``num_attention_heads * head_dim``, GPT-2 splits ``c_attn``
     at ``split_size``, Falcon views by ``num_heads``). An integer attribute of the module, or
     of a private copy of its ``config``, whose name says it counts heads or widths and whose
-    value is a whole-model head quantity, becomes the per-rank one."""
+    value is a whole-model head quantity, becomes the per-rank one. With fewer kv heads than
+    tp each rank holds one kv head, and its query heads form one group."""
     q, kv, d = heads
-    if q % tp or kv % tp:
+    if q % tp or (kv % tp and tp % kv):
         raise PlanError(f"the plan splits an attention of {q} query and {kv} key/value heads "
                         f"over tp={tp}; re-plan (the planner splits only whole heads)")
-    local = {q: q // tp, kv: kv // tp, q * d: q * d // tp, kv * d: kv * d // tp}
-    _localize(module, local)
+    local_kv = kv // tp if kv % tp == 0 else 1
+    local = {q * d: q * d // tp, kv * d: local_kv * d, kv: local_kv, q: q // tp}
+    groups = {q // kv: q // tp // local_kv}  # query heads per kv head
+    _localize(module, local, groups)
     config = getattr(module, "config", None)
     if config is not None and not isinstance(config, nn.Module):
         module.config = copy.copy(config)
-        _localize(module.config, local)
+        _localize(module.config, local, groups)
 
 
-def _localize(obj: object, local: dict[int, int]) -> None:
+def _localize(obj: object, local: dict[int, int], groups: dict[int, int]) -> None:
     for name, value in list(vars(obj).items()):
-        if type(value) is int and value in local and _COUNT_NAME.search(name) and \
-                not _NOT_COUNT.search(name):
+        if type(value) is not int or _NOT_COUNT.search(name):
+            continue
+        if "groups" in name:
+            if value in groups:
+                setattr(obj, name, groups[value])
+        elif value in local and _COUNT_NAME.search(name):
             setattr(obj, name, local[value])

@@ -12,6 +12,8 @@ Three facts the runtime cannot guess are recorded beside the per-parameter place
 * ``heads``: per attention module, its query heads, key/value heads and head size, so that a
   module whose code reads its head counts (Phi-3 slices ``qkv`` at ``num_heads * head_dim``,
   GPT-2 splits at ``split_size``) can be given the counts of its local heads.
+* ``Replicate@tp(kv-heads)``: with fewer key/value heads than tp (GQA, MQA), the key and
+  value projections stay whole and each rank computes the kv head of its query heads.
 * the weight's orientation: nn.Linear stores (out, in), GPT-2's Conv1D (in, out); a column split
   is ``Shard`` of the output-feature dimension of the stored tensor, whichever it is.
 """
@@ -24,6 +26,9 @@ from autopar.cost.tp_layout import tp_layout, vocab_parallel
 from autopar.ir.graph import Graph, OpKind, OpNode
 
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split")
+# a key/value projection whose attention has fewer kv heads than tp: its weight stays whole on
+# every rank, which computes the one kv head its query heads read
+KV_REPLICATED = "Replicate@tp(kv-heads)"
 
 
 def _packet(target: str) -> str:
@@ -110,6 +115,8 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
             if op.kind is OpKind.MOE_EXPERT or (experts and set(op.params) <= experts
                                                  and op.params):
                 where = {p: "Shard(0)@ep" if config.ep > 1 else "Replicate" for p in op.params}
+            elif tp and name in layout.kv:  # each rank computes one kv head: weights whole
+                where = {p: KV_REPLICATED for p in op.params}
             elif tp and (name in layout.column or name in layout.row):
                 weight, out_dim = weight_param(graph, op), output_dim(graph, op)
                 column = name in layout.column
@@ -128,7 +135,9 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
                 if params.get(p, "Replicate") == "Replicate":
                     params[p] = w + zero if w != "Replicate" or not zero else "Shard(0)@dp"
             if per_node is not None:
-                if name in layout.column:
+                if name in layout.kv:
+                    per_node[name] = "kv-replicated"
+                elif name in layout.column:
                     per_node[name] = "column"
                 elif name in layout.row:
                     per_node[name] = "row"

@@ -240,7 +240,7 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
         chosen_of = {}
         if config.tp > 1:
             chosen_of = {**{n: "S" for n in layout.sharded}, **{n: "C" for n in layout.column},
-                         **{n: "W" for n in layout.row}}
+                         **{n: "W" for n in layout.row}, **{n: "G" for n in layout.kv}}
         prefix = block.name + "."
         nodes = {}
         for name, costs in node_options(graph, block, config.tp, cluster,

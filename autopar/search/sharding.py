@@ -16,7 +16,7 @@ the candidate's ParallelConfig (``tp_layouts``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
@@ -26,6 +26,7 @@ from autopar.cost.comm import axis_collective_time
 from autopar.cost.compute import op_time
 from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
+from autopar.cost.tp_layout import tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 from autopar.search.placements import fused_segments
 
@@ -43,10 +44,47 @@ class ShardingSolution:
     column: list[int]
     row: list[int]
     sharded: list[int]
+    kv: list[tuple[int, int]] = field(default_factory=list)  # (op, kv heads): kv replicated
 
 
-def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
+def kv_projections(graph: Graph, block: Block, tp: int) -> dict[str, int]:
+    """Linear ops that make the keys or values of an attention with fewer kv heads than
+    ``tp`` (tp a multiple of them, its query heads divisible by tp) -> its kv heads. Such an
+    attention splits by query heads, each rank computing the one kv head its queries read
+    (Megatron's replicated kv heads)."""
+    members = set(block.nodes)
+    out: dict[str, int] = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        if op.kind is not OpKind.ATTENTION or len(op.input_meta[0].shape) != 4 or \
+                len(op.inputs) < 3:
+            continue
+        heads = _heads(graph, op)
+        q, kv = heads[0], min(heads)
+        if q % tp or kv % tp == 0 or tp % kv:
+            continue
+        for i in (1, 2):  # back from k and v through views and elementwise ops (rotary)
+            stack, seen = [op.inputs[i]], set()
+            while stack:
+                src = stack.pop()
+                if src in seen or src not in members:
+                    continue
+                seen.add(src)
+                producer = graph.op(src)
+                if producer.kind is OpKind.LINEAR and producer.params:
+                    out[src] = kv
+                elif producer.kind in (OpKind.VIEW, OpKind.ELEMENTWISE):
+                    stack.extend(producer.inputs)
+    return out
+
+
+def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = None
+                ) -> list[str]:
     op = graph.op(name)
+    if op.kind is OpKind.LINEAR and op.params and kv and name in kv:
+        return ["R", "G"]  # replicated, or its rank's kv head (G)
+    if op.kind is OpKind.LINEAR and op.params and any(tied(graph, p) for p in op.params):
+        return ["R"]  # a head tied to the embedding: one tensor, one (replicated) layout
     if op.kind is OpKind.LINEAR and op.params:
         out = ["R"]
         # a fused projection (q|k|v, gate|up) splits part by part: every part must divide
@@ -60,9 +98,11 @@ def _strategies(graph: Graph, name: str, tp: int) -> list[str]:
         return ["R"]
     if op.kind is OpKind.REDUCTION and packet_name(op.target) not in _SPLIT_REDUCTIONS:
         return ["R"]
-    if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4 and \
-            any(h % tp for h in _heads(graph, op)):
-        return ["R"]  # split by whole query and key/value heads, or not at all
+    if op.kind is OpKind.ATTENTION and len(op.input_meta[0].shape) == 4:
+        heads = _heads(graph, op)
+        q, kv = heads[0], min(heads)
+        if q % tp or (kv % tp and tp % kv):
+            return ["R"]  # split by whole query heads (kv heads split, or replicated per group)
     return ["R", "S"]
 
 
@@ -78,11 +118,12 @@ def _heads(graph: Graph, op: OpNode) -> tuple[int, ...]:
     return tuple(heads)
 
 
-def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str) -> float:
+def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str,
+                kv_heads: int = 1) -> float:
     """Forward + backward of one op under one strategy, with the forward all-reduce that a
     row-parallel linear implies (a column-parallel input's backward all-reduce is priced
     separately: once per distinct input)."""
-    divisor = tp if strategy in ("C", "W", "S") else 1
+    divisor = tp if strategy in ("C", "W", "S") else kv_heads if strategy == "G" else 1
     seconds = 3 * op_time(op, cluster.device, dtype, 1.0, 1.0, divisor)
     if strategy == "W":
         seconds += axis_collective_time("all_reduce", op.output_bytes, ParallelConfig(tp=tp),
@@ -90,7 +131,8 @@ def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str
     return seconds
 
 
-STRATEGY_NAMES = {"R": "replicate", "C": "column", "W": "row", "S": "split"}
+STRATEGY_NAMES = {"R": "replicate", "C": "column", "W": "row", "S": "split",
+                  "G": "kv-replicated"}
 
 
 def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16"
@@ -103,12 +145,13 @@ def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: s
     """
     out: dict[str, dict[str, float]] = {}
     config = ParallelConfig(tp=tp)
+    kv = kv_projections(graph, block, tp) if tp > 1 else {}
     for name in block.nodes:
         op = graph.op(name)
         costs = {}
-        for s in (_strategies(graph, name, tp) if tp > 1 else ["R"]):
-            seconds = _op_seconds(op, s, tp, cluster, dtype)
-            if s == "C" and op.input_meta:
+        for s in (_strategies(graph, name, tp, kv) if tp > 1 else ["R"]):
+            seconds = _op_seconds(op, s, tp, cluster, dtype, kv.get(name, 1))
+            if s in ("C", "G") and op.input_meta:
                 seconds += axis_collective_time("all_reduce", op.input_meta[0].nbytes, config,
                                                 "tp", cluster)
             costs[STRATEGY_NAMES[s]] = seconds
@@ -130,22 +173,23 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
     def comm(kind: str, nbytes: float) -> int:
         return int(round(axis_collective_time(kind, nbytes, config, "tp", cluster) * ns))
 
+    kv = kv_projections(graph, block, tp)
     for name in block.nodes:
         op = graph.op(name)
-        options = _strategies(graph, name, tp)
+        options = _strategies(graph, name, tp, kv)
         for s in options:
             x[name, s] = model.NewBoolVar(f"{name}_{s}")
-            seconds = _op_seconds(op, s, tp, cluster, dtype)
+            seconds = _op_seconds(op, s, tp, cluster, dtype, kv.get(name, 1))
             cost_terms.append(int(round(seconds * ns)) * x[name, s])
         model.AddExactlyOne(x[name, s] for s in options)
         if any(succ not in members for succ in graph.dag.successors(name)):
-            for s in ("C", "S"):  # what the next block reads is replicated (final outputs,
+            for s in ("C", "S", "G"):  # what the next block reads is replicated (outputs,
                 # the logits, may stay split: the loss runs on vocabulary-parallel logits)
                 if (name, s) in x:
                     model.Add(x[name, s] == 0)
 
     def out_split(name: str) -> list:
-        return [x[name, s] for s in ("C", "S") if (name, s) in x]
+        return [x[name, s] for s in ("C", "S", "G") if (name, s) in x]
 
     allreduce_inputs: dict[str, cp_model.IntVar] = {}
     for name in block.nodes:
@@ -168,12 +212,14 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                         model.Add(src_split >= t)
                     else:
                         model.Add(t == 0)
-            if (name, "C") in x and i == 0:  # one backward all-reduce per distinct input
+            for s in ("C", "G"):  # one backward all-reduce per distinct column input
+                if (name, s) not in x or i != 0:
+                    continue
                 if src not in allreduce_inputs:
                     allreduce_inputs[src] = model.NewBoolVar(f"ar_{src}")
                     nbytes = op.input_meta[0].nbytes
                     cost_terms.append(comm("all_reduce", nbytes) * allreduce_inputs[src])
-                model.AddImplication(x[name, "C"], allreduce_inputs[src])
+                model.AddImplication(x[name, s], allreduce_inputs[src])
     model.Minimize(sum(cost_terms))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1  # deterministic
@@ -189,7 +235,8 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         objective_s=solver.ObjectiveValue() / ns, bound_s=solver.BestObjectiveBound() / ns,
         column=[pos[n] for n, s in pick.items() if s == "C"],
         row=[pos[n] for n, s in pick.items() if s == "W"],
-        sharded=[pos[n] for n, s in pick.items() if s in ("C", "S")],
+        sharded=[pos[n] for n, s in pick.items() if s in ("C", "S", "G")],
+        kv=[(pos[n], kv[n]) for n, s in pick.items() if s == "G"],
     )
 
 
@@ -209,7 +256,7 @@ def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "
         for block in first_of_type.values():
             sol = solve_block(graph, block, tp, cluster, dtype)
             by_type.append((block.type_id, BlockLayout(tuple(sol.column), tuple(sol.row),
-                                                       tuple(sol.sharded))))
+                                                       tuple(sol.sharded), tuple(sol.kv))))
             solutions.append(sol)
         layouts[tp] = TPLayouts(tp, tuple(by_type))
     return layouts, solutions

@@ -50,8 +50,8 @@ def with_full_size_layout(plan, tiny: str, tp: int = 8):
     layout = full_size_layout(tiny, tp)
     params = plan.placements["params"]
     for fqn, placement in params.items():
-        mine = [p for p in placement.split("+") if not p.endswith("@tp") and p != "Replicate"]
-        theirs = [p for p in layout[pattern(fqn)].split("+") if p.endswith("@tp")]
+        mine = [p for p in placement.split("+") if "@tp" not in p and p != "Replicate"]
+        theirs = [p for p in layout[pattern(fqn)].split("+") if "@tp" in p]
         params[fqn] = "+".join(theirs + mine) or "Replicate"
     return plan
 

@@ -22,7 +22,8 @@ STEPS = 4
 # (full-size model, its tiny twin, the tp the full-size layout is planned at)
 TWINS = [("llama3-8b", "tiny-llama", 8), ("phi3-mini", "tiny-phi3", 8),
          ("gpt-neox-20b", "tiny-gpt-neox", 8), ("gpt2-xl", "tiny-gpt2", 8),
-         ("gpt3-175b", "tiny-gpt2", 8)]  # GPT-2 XL's 25 heads keep its attention whole at
+         ("gpt3-175b", "tiny-gpt2", 8),
+         ("gemma-2b", "tiny-gemma", 8)]  # one kv head: replicated over the tp ranks  # GPT-2 XL's 25 heads keep its attention whole at
 # tp=8; GPT-3 175B (in GPT-2's architecture) splits the fused Conv1D c_attn per head
 
 
@@ -60,6 +61,8 @@ def test_full_size_layout_runs_on_its_tiny_twin(full: str, tiny: str, full_tp: i
     for fqn in params:
         params[fqn] = layout[_pattern(fqn)]
     split = sum(1 for k, v in params.items() if v.startswith("Shard") and k.endswith("weight"))
+    if full == "gemma-2b":  # one kv head at tp=2: k and v replicated, each rank its head
+        assert sum("(kv-heads)" in v for v in params.values()) == 2 * len(graph.layer_blocks)
     per_layer = {k for k, v in layout.items() if v.startswith("Shard") and ".*." in k
                  and k.endswith("weight")}
     assert len(per_layer) >= 2  # at least a column- and a row-parallel projection per layer

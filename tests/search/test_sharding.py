@@ -69,3 +69,16 @@ def test_estimate_does_not_depend_on_what_was_planned_before() -> None:
     assert estimate(graph, "a100-80g", config).step_time_s == first
     with pytest.raises(ValueError, match="tp_layouts are for tp=2"):
         ParallelConfig(tp=4, tp_layouts=solve_layouts(graph, [2], load_cluster("cpu"))[0][2])
+
+
+def test_fewer_kv_heads_than_tp_replicates_them() -> None:
+    """Gemma-2B has one kv head: at tp=8 the attention splits by query heads and every rank
+    computes the kv head (k_proj, v_proj whole on every rank)."""
+    graph = autopar.capture("gemma-2b", seq=2048)
+    layer = graph.layer_blocks[0]
+    sol = solve_block(graph, layer, 8, load_cluster("a100-80g"))
+    assert sol.status == "OPTIMAL"
+    assert _leaf(graph, layer, [i for i, _ in sol.kv]) == ["k_proj", "v_proj"]
+    assert all(heads == 1 for _, heads in sol.kv)
+    assert "q_proj" in _leaf(graph, layer, sol.column)
+    assert "o_proj" in _leaf(graph, layer, sol.row)
