@@ -334,7 +334,10 @@ def sync_tied_grads(modules: list[nn.Module], tied: dict, pp_group) -> None:
                         p.grad = torch.zeros_like(p)
                     grads.append(p.grad)
         # fully_shard splits the copies over dp: sum full gradients, then take each shard back
-        total = torch.zeros(shape, dtype=grads[0].dtype, device=grads[0].device)
+        # fp32 on every rank (the gradients' dtype: parameters are the fp32 masters); ranks
+        # holding no copy (middle stages) join the all-reduce with zeros
+        like = grads[0] if grads else next(modules[0].parameters())
+        total = torch.zeros(shape, dtype=torch.float32, device=like.device)
         for g in grads:
             total += g.full_tensor() if hasattr(g, "full_tensor") else g
         dist.all_reduce(total, group=pp_group)
