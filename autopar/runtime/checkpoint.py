@@ -197,6 +197,8 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
     if _rank() == 0:
         meta = {"step": trainer.step_index, "schedule": trainer.schedule.state_dict(),
                 "seed": trainer.seed, "param_names": names, "layout": LAYOUT}
+        if getattr(trainer, "scaler", None) is not None:  # fp16's loss scale goes on
+            meta["loss_scale"] = trainer.scaler.state_dict()
         (partial / "meta.json").write_text(json.dumps(meta))
         final = root / name
         shutil.rmtree(final, ignore_errors=True)
@@ -268,6 +270,8 @@ def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:
     if zero is not None:  # the loaded learning rates belong on the wrapper the schedule drives
         _copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
     trainer.schedule.load_state_dict(meta["schedule"])
+    if getattr(trainer, "scaler", None) is not None and "loss_scale" in meta:
+        trainer.scaler.load_state_dict(meta["loss_scale"])
     trainer.step_index = int(meta["step"])
     torch.manual_seed(trainer.seed + trainer.step_index)
     return trainer.step_index

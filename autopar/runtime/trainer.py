@@ -24,6 +24,7 @@ from autopar.runtime.expert_parallel import (
     sync_expert_grads,
 )
 from autopar.runtime.init import InitReport, materialize
+from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
 
@@ -107,7 +108,7 @@ class Trainer:
         self.device = run_device(device)
         # the program's precision: autocast's compute dtype, and dynamic loss scaling (fp16)
         self.autocast = getattr(program, "AUTOCAST", None) if program is not None else None
-        self.scaler = torch.amp.GradScaler(self.device.type) \
+        self.scaler = LossScaler(self.device) \
             if program is not None and getattr(program, "LOSS_SCALING", False) else None
         model = build_from_source(source, seed, "meta")
         check_module_paths(model, plan)
@@ -200,7 +201,7 @@ class Trainer:
         total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
             else torch.zeros((), device=self.device)
         if self.scaler is not None and losses:
-            total = total / self.scaler.get_scale()
+            total = total / self.scaler.value
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
         if self.tied:
             sync_tied_grads(list(self.model), self.tied, self.pp_group)
@@ -229,14 +230,13 @@ class Trainer:
                 total += _full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip and step on true gradients
-        if self.grad_clip:
+        overflow = False
+        if self.scaler is not None:  # clip and step on true gradients; skip on overflow
+            overflow = self.scaler.unscale_(self.model.parameters())
+            self.scaler.update(overflow)
+        if self.grad_clip and not overflow:
             self._clip()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skipped when a gradient overflowed
-            self.scaler.update()
-        else:
+        if not overflow:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()

@@ -49,3 +49,37 @@ def test_bf16_follows_fp32_under_zero3_and_tp() -> None:
     assert bf16_zero3 == pytest.approx(bf16_tp, rel=0.01)
     assert bf16_zero3 != pytest.approx(fp32, rel=1e-6)  # it really ran in bf16
     assert fp32[-1] < fp32[0]  # and it trains
+
+
+@pytest.mark.parametrize("pins", [dict(pp=2, dp=1, tp=1, microbatch_size=2, schedule="1f1b"),
+                                  dict(tp=2, dp=1, pp=1, microbatch_size=2,
+                                       sequence_parallel=False)], ids=["pp2", "tp2"])
+def test_fp16_with_loss_scaling_follows_fp32(pins: dict) -> None:
+    """V100's precision: fp16 compute with dynamic loss scaling (one scale for the mesh: the
+    first pipeline stage never sees the loss, tp mixes plain and DTensor gradients)."""
+    graph, source = autopar.capture("tiny-llama", seq=32), describe_source("tiny-llama")
+    fp32, _ = run_ranks(source, autopar.plan(graph, devices=1, global_batch=8, cluster="cpu",
+                                             constraints=dict(microbatch_size=2,
+                                                              precision="fp32")), 6)
+    plan = autopar.plan(graph, devices=2, global_batch=8, cluster="cpu",
+                        constraints=dict(pins, precision="fp16"))
+    assert plan.precision["loss_scaling"]
+    if pins["tp"] > 1:
+        plan = with_full_size_layout(plan, "tiny-llama")
+    fp16, _ = run_ranks(source, plan, 6)
+    assert fp16 == pytest.approx(fp32, rel=0.02)
+
+
+def test_an_overflow_skips_the_step_and_halves_the_scale() -> None:
+    import torch
+
+    from autopar.runtime.loss_scale import INIT_SCALE, LossScaler
+
+    scaler = LossScaler(torch.device("cpu"))
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([INIT_SCALE, 2 * INIT_SCALE, 0.0])
+    assert not scaler.unscale_([p]) and p.grad.tolist() == [1.0, 2.0, 0.0]
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert scaler.unscale_([p])
+    scaler.update(True)
+    assert scaler.value == INIT_SCALE / 2
