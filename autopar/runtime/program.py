@@ -37,15 +37,9 @@ def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
     original modules (PyTorch's styles take only real nn.Linear / nn.Embedding), its fused
     projections' outputs cut per part on the local shards, and DTensor taught the CPU
     attention kernel's head-parallel sharding."""
-    from autopar.runtime.tensor_parallel import (
-        _register_cpu_attention_sharding,
-        _restore_leaves,
-        split_fused_outputs,
-    )
+    from autopar.runtime.traced_stage import prepare_stage as _prepare
 
-    _register_cpu_attention_sharding()
-    _restore_leaves(stage, original, present(stage, leaves))
-    split_fused_outputs(stage, present(stage, fused))
+    _prepare(stage, original, leaves, fused)
 
 
 def recompute(model: nn.Module, layer: str, mode: str, seq: int) -> None:

@@ -13,7 +13,6 @@ the plan (its blocks and parameter placements), never from a model's name:
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -226,15 +225,14 @@ def apply_layout(model: nn.Module, layout: TensorParallelLayout, tp_mesh: Device
     """Apply ``layout`` to ``model`` (a whole model, or a traced stage of ``original``): local
     head counts for split attention, the original leaf modules back in a traced stage, then
     ``parallelize_module`` with the styles of the modules ``model`` holds."""
+    from autopar.runtime.traced_stage import prepare_stage
+
     present = dict(model.named_modules())
     for path, heads in layout.heads.items():
         if path in present:
             localize_heads(present[path], list(heads), tp_mesh.size())
     if original is not None:
-        _restore_leaves(model, original, [p for p in layout.leaves if p in present])
-        split_fused_outputs(model, {p: v for p, v in layout.fused.items() if p in present})
-    if layout.traced:
-        _register_cpu_attention_sharding()
+        prepare_stage(model, original, layout.leaves, layout.fused)
     styles = {p: s for p, s in layout.styles.items() if p in present}
     if styles:
         parallelize_module(model, tp_mesh, build_styles(styles))
@@ -373,110 +371,6 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         else:
             styles[name] = f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True)"
     return _in_model_order(model, styles)
-
-
-def _restore_leaves(stage: nn.Module, original: nn.Module, split: list[str]) -> None:
-    """Put the original nn.Linear / nn.Embedding back where a traced stage holds a graph
-    module for a split leaf: PyTorch's TP styles accept only the real module types. The
-    stage calls the leaf with its one input and shares the original's parameters."""
-    for path in split:
-        leaf = stage.get_submodule(path)
-        if isinstance(leaf, (nn.Linear, nn.Embedding)) or is_conv1d(leaf):
-            continue
-        module = original.get_submodule(path)
-        graph = getattr(leaf, "graph", None)
-        inputs = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
-        if len(inputs) != 1 or any(p is not getattr(module, n, None)
-                                   for n, p in leaf.named_parameters()):
-            raise PlanError(f"the traced pipeline stage calls {path} in a form tensor "
-                            f"parallelism cannot wrap; re-plan with tp=1 or pp=1")
-        parent, _, child = path.rpartition(".")
-        setattr(stage.get_submodule(parent) if parent else stage, child, module)
-
-
-def split_fused_outputs(stage: nn.Module, fused: dict[str, list[int]]) -> None:
-    """In a traced pipeline stage, cut each fused projection's output into its parts on the
-    local shards: the trace cuts it at global offsets, which on the per-part split weight
-    (see tp_styles) would gather it whole. Each part becomes a DTensor sharded like the
-    projection's output, holding this rank's heads of that part."""
-    for path, parts in fused.items():
-        parent_name, _, child = path.rpartition(".")
-        parent = stage.get_submodule(parent_name) if parent_name else stage
-        graph = getattr(parent, "graph", None)
-        call = next((n for n in graph.nodes if n.op == "call_module" and n.target == child),
-                    None) if graph is not None else None
-        users = list(call.users) if call is not None else []
-        names = {str(getattr(u.target, "__name__", u.target)).split(".")[0] for u in users}
-        slices = names <= {"slice"}
-        if not users or not (slices or (len(users) == 1 and
-                                        names <= {"split", "split_with_sizes", "chunk"})):
-            raise PlanError(f"the traced pipeline stage uses {path}'s fused output in a form "
-                            f"it cannot cut per part; re-plan with tp=1 or pp=1")
-        for user in users:
-            user.target = _cut_part if slices else _cut_parts
-            user.kwargs = {**user.kwargs, "parts": tuple(parts)}
-        if hasattr(parent, "recompile"):
-            parent.recompile()
-
-
-def _local_parts(x, parts: tuple[int, ...], dim: int):
-    from torch.distributed.tensor import DTensor
-
-    tp = x.device_mesh.size()
-    dim = dim % x.ndim
-    pieces = x.to_local().split([p // tp for p in parts], dim)
-    return tuple(DTensor.from_local(piece, x.device_mesh, x.placements, run_check=False)
-                 for piece in pieces)
-
-
-def _cut_parts(x, _size, dim: int = 0, *, parts: tuple[int, ...] = ()):
-    """aten.split or aten.chunk of a fused output, on the local shards (see
-    :func:`split_fused_outputs`)."""
-    return _local_parts(x, parts, dim)
-
-
-def _cut_part(x, dim: int = 0, start: int | None = None, end: int | None = None,
-              step: int = 1, *, parts: tuple[int, ...] = ()):
-    """aten.slice of a fused output at a part's global offsets, on the local shards."""
-    offsets = [sum(parts[:i]) for i in range(len(parts))]
-    start = 0 if start is None else start
-    if start not in offsets:
-        raise PlanError(f"a fused projection's output is cut at {start}, not at a part boundary "
-                        f"{offsets}; re-plan with tp=1 or pp=1")
-    return _local_parts(x, parts, dim)[offsets.index(start)]
-
-
-@functools.cache
-def _register_cpu_attention_sharding() -> None:
-    """DTensor has head-parallel rules for the CUDA attention kernels but not for the CPU one
-    that a traced stage's scaled_dot_product_attention lowers to; register the same rule:
-    query/key/value/output/logsumexp split on heads (dim 1), a one-head mask replicated."""
-    from torch.distributed.tensor.experimental import register_sharding
-
-    aten = torch.ops.aten
-
-    def mask_layout(mask):
-        if mask is None:
-            return None
-        return Replicate() if mask.shape[1] == 1 else Shard(1)
-
-    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
-    def _forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
-                 scale=None):
-        heads = ([Shard(1), Shard(1)],
-                 [Shard(1), Shard(1), Shard(1), None, None, mask_layout(attn_mask), None])
-        whole = ([Replicate(), Replicate()],
-                 [Replicate(), Replicate(), Replicate(), None, None,
-                  None if attn_mask is None else Replicate(), None])
-        return [heads, whole]
-
-    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
-                  attn_mask=None, scale=None):
-        heads = ([Shard(1)] * 3, [Shard(1)] * 6 + [None, None, mask_layout(attn_mask), None])
-        whole = ([Replicate()] * 3, [Replicate()] * 6 +
-                 [None, None, None if attn_mask is None else Replicate(), None])
-        return [heads, whole]
 
 
 def reduce_partial_grads(params) -> None:
