@@ -18,6 +18,7 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
+from autopar.runtime.expert_parallel import check_expert_parallel
 from autopar.runtime.parallelize import (
     apply_recompute,
     replicate_data_parallel,
@@ -47,13 +48,15 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     from rank 0. With pipeline stages (pp > 1) it returns a :class:`Pipeline`: this rank's
     stages and the planned schedule; give ``example`` (one micro-batch of inputs, to trace the
     model) and ``loss_fn(output, target)``, then call ``pipeline.step(inputs, target)`` each
-    step. Expert parallelism is not applied here yet (re-plan with constraints ep=1, or train
-    with autopar run).
+    step. Expert parallelism is applied with ZeRO-2/3 (fully_shard reduces the expert
+    gradients); each data-parallel rank, dp x ep of them, reads its own rows (``rank // tp``).
     """
     refuse_unsupported(plan)
-    if plan.mesh["ep"] > 1:
-        raise PlanError("autopar.parallelize does not apply expert parallelism yet; re-plan "
-                        "with constraints ep=1 (or train with autopar run)")
+    if plan.mesh["ep"] > 1 and plan.zero_stage < 2 and not \
+            {"optimizer", "params"} & set(plan.offload):
+        raise PlanError("autopar.parallelize applies expert parallelism with ZeRO-2/3 (the "
+                        "expert gradients are then reduced inside fully_shard); re-plan with "
+                        "constraints zero_stage=2 (or train with autopar run)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
@@ -72,6 +75,17 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
         dp_mesh = mesh["dp"]
         if plan.mesh["tp"] > 1:
             apply_tensor_parallel(model, plan, mesh["tp"], whole_logits=True)
+        if plan.mesh["ep"] > 1:
+            from autopar.runtime.expert_parallel import (
+                apply_expert_parallel,
+                shard_expert_data_parallel,
+            )
+
+            check_expert_parallel(plan)
+            experts = apply_expert_parallel(model, plan, mesh["ep"])
+            apply_recompute(model, plan)
+            shard_expert_data_parallel(model, plan, mesh, experts)
+            return model
     elif {"optimizer", "params"} & set(plan.offload):
         dp_mesh = single_process_mesh(plan, device)["dp"]
     apply_recompute(model, plan)

@@ -102,3 +102,69 @@ def test_parallelize_a_pipeline_in_your_own_loop(pins: dict) -> None:
     losses = spawn_ranks(_own_loop, devices, (devices, plan.to_dict()))[0]
     assert losses == pytest.approx(reference, rel=1e-4)
     assert len(set(losses)) == len(losses)  # every step changed the weights
+
+
+def _moe_loop(rank: int, port: int, out, world: int, plan_dict: dict | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.models import build_model
+    from autopar.plan import Plan
+    from autopar.runtime.apply import optimizer
+
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+        torch.manual_seed(0)
+        model = build_model("tiny-mixtral", device="cpu", dtype=torch.float32)
+        plan = Plan.from_dict(plan_dict) if plan_dict else None
+        if plan is not None:
+            model = autopar.parallelize(model, plan)
+        opt = optimizer(model, plan, lr=1e-2) if plan else \
+            torch.optim.AdamW(model.parameters(), lr=1e-2)
+        replicas = plan.mesh["dp"] * plan.mesh["ep"] if plan else 1
+        mine = dist.get_rank() // plan.mesh["tp"] if plan else 0
+        losses = []
+        g = torch.Generator().manual_seed(3)
+        for _ in range(STEPS):
+            batch = torch.randint(0, 256, (BATCH, 17), generator=g)
+            rows = batch[mine * BATCH // replicas:(mine + 1) * BATCH // replicas]
+            loss = _loss(model(rows[:, :-1]).logits, rows[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(total)
+                total /= world
+            losses.append(float(total))
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            out.put(("ok", losses))
+    except Exception as exc:  # reported to the test
+        import traceback
+
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
+                          f"{traceback.format_exc()[-2000:]}"))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_parallelize_experts_in_your_own_loop() -> None:
+    """Expert parallelism (ep2, ZeRO-3) applied to your own Mixtral: one process's losses."""
+    graph = autopar.capture("tiny-mixtral", seq=16)
+    plan = autopar.plan(graph, devices=2, global_batch=BATCH, cluster="cpu",
+                        constraints=dict(ep=2, dp=1, tp=1, pp=1, zero_stage=3,
+                                         microbatch_size=2, precision="fp32"))
+    assert plan.mesh["ep"] == 2
+    reference = spawn_ranks(_moe_loop, 1, (1, None))[0]
+    losses = spawn_ranks(_moe_loop, 2, (2, plan.to_dict()))[0]
+    assert losses == pytest.approx(reference, rel=1e-4)
+    plan.zero_stage = 0
+    with pytest.raises(autopar.PlanError, match="zero_stage=2"):
+        autopar.parallelize(object(), plan)
