@@ -48,7 +48,8 @@ def _default_out(model: str, devices: int) -> Path:
 @click.option("--seq", type=click.IntRange(min=1), default=None,
               help="Tokens per sequence [default: the config's context, at most 4096].")
 @click.option("--constraints", default=None,
-              help="A YAML file, a strategies/ preset (megatron-3d, zero3-only, "
+              help="A YAML file (a MindFormers YAML and a DeepSpeed JSON config are "
+                   "recognised), a strategies/ preset (megatron-3d, zero3-only, "
                    "data-parallel-only, mindformers-style) or k=v,k=v pins (tp=8,pp=2).")
 @click.option("--memory-limit-gb", type=float, default=None,
               help="Usable memory per device [default: the cluster's].")
@@ -56,12 +57,15 @@ def _default_out(model: str, devices: int) -> Path:
               help="Stop the search after this many seconds and report the proven gap.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Artifact directory [default: ./autopar-MODEL-DEVICES].")
+@click.option("--emit", type=click.Choice(["deepspeed"]), multiple=True,
+              help="Also write the plan in another engine's format (deepspeed.json).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
                 seq: int | None, constraints: str | None, memory_limit_gb: float | None,
-                time_limit_s: float | None, out: str | None, fmt: str, quiet: bool) -> None:
+                time_limit_s: float | None, out: str | None, emit: tuple[str, ...], fmt: str,
+                quiet: bool) -> None:
     """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
     plan.yaml, manifest.json and train.py, the training program generated from the plan
     (`autopar run DIR` and `torchrun DIR/train.py` run it).
@@ -78,6 +82,8 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
           --out llama3-8b-tp8          # pin one choice; then autopar diff the two
       autopar compile llama3-70b --devices 512 --cluster h100-80g --constraints megatron-3d
       autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
+      autopar compile llama3-8b --devices 64 --emit deepspeed   # also DIR/deepspeed.json
+      autopar compile llama3-8b --devices 64 --constraints ds_config.json  # pins from it
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
     """
     from autopar.cost.hardware import load_cluster
@@ -99,7 +105,7 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
     else:
         from autopar.codegen import compile_artifact
 
-        path = compile_artifact(model, None, result, out_dir) / "plan.yaml"
+        path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
         from autopar.codegen.artifact import EDITED_FILE
 
         edited = out_dir / EDITED_FILE  # only ever there when this compile kept one

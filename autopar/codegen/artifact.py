@@ -24,12 +24,13 @@ MANIFEST_VERSION = 2
 EDITED_FILE = "train.edited.py"  # a hand-edited program kept when re-compiling
 
 
-def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path
-                     ) -> Path:
+def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path,
+                     emit: tuple[str, ...] = ()) -> Path:
     """Write ``out_dir`` (atomically: a failure leaves nothing behind) and return it.
 
     ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
     whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
+    ``emit`` names other engines' formats to write beside the plan ("deepspeed").
     """
     plan.validate()
     source = describe_source(model)
@@ -50,6 +51,11 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
                                "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
+            from autopar.plan.deepspeed import deepspeed_config
+
+            (tmp / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
+                                                + "\n")
         if out.exists():
             if (out / PROGRAM_FILE).is_file() and program_state(out) == "edited":
                 # a hand-edited program is not thrown away: it stays beside the new one

@@ -7,7 +7,8 @@ schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), p
 (autopar | megatron | deepspeed: whose collectives the prediction prices).
 A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
-``recompute_config`` is translated to the same keys.
+``recompute_config`` is translated to the same keys, and so is a DeepSpeed JSON config
+(``zero_optimization``, micro-batch and accumulation, precision, activation checkpointing).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def load_constraints(spec: dict | str | Path | None) -> dict:
         raise PlanError(f"{where}: expected a mapping of constraint keys")
     if "parallel_config" in data:
         data = {**{k: v for k, v in data.items() if k in KEYS}, **_from_mindformers(data)}
+    else:
+        from autopar.plan.deepspeed import constraints_from_deepspeed, is_deepspeed
+
+        if is_deepspeed(data):  # a DeepSpeed JSON config, recognised by its content
+            data = constraints_from_deepspeed(data)
     pins: dict = {}
     for key, value in data.items():
         if key in _IGNORED:
