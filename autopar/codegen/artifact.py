@@ -51,6 +51,10 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
                                "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if "megatron" in emit:  # a Megatron-LM launch command, on request
+            from autopar.plan.megatron import megatron_command
+
+            (tmp / "megatron.sh").write_text(megatron_command(plan))
         if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
             from autopar.plan.deepspeed import deepspeed_config
 

@@ -8,7 +8,8 @@ schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), p
 A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
 ``recompute_config`` is translated to the same keys, and so is a DeepSpeed JSON config
-(``zero_optimization``, micro-batch and accumulation, precision, activation checkpointing).
+(``zero_optimization``, micro-batch and accumulation, precision, activation checkpointing),
+and a file of Megatron-LM arguments (``--tensor-model-parallel-size`` ...).
 """
 
 from __future__ import annotations
@@ -73,8 +74,16 @@ def load_constraints(spec: dict | str | Path | None) -> dict:
         preset = data_dir("strategies") / f"{text}.yaml"
         if path.is_file() or preset.is_file():
             where = str(path if path.is_file() else preset)
+            raw = Path(where).read_text()
+            from autopar.plan.megatron import constraints_from_megatron, is_megatron
+
             try:
-                data = yaml.safe_load(Path(where).read_text()) or {}
+                # Megatron-LM arguments (a launch command), recognised by their content
+                data = constraints_from_megatron(raw) if is_megatron(raw) else \
+                    yaml.safe_load(raw) or {}
+            except ValueError as exc:
+                raise PlanError(f"{where}: cannot read its Megatron-LM arguments ({exc})") \
+                    from None
             except yaml.YAMLError as exc:
                 raise PlanError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") \
                     from None

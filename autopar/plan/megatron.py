@@ -1,0 +1,137 @@
+"""A plan as a Megatron-LM launch command, and Megatron-LM arguments as constraints.
+
+Megatron-LM's arguments carry the model-parallel side of a plan: tensor, pipeline (and
+virtual pipeline) and expert sizes, sequence parallelism, the micro-batch and global batch,
+recompute, and its distributed optimizer (ZeRO-1: optimizer states sharded over dp). The
+data-parallel size is the world size over tp x pp (x ep for the experts' replicas), so the
+emitted command states the world size through torchrun's ``--nnodes`` and ``--nproc-per-node``.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from autopar.plan.plan import Plan
+
+_FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp16",
+          "--group-query-attention"}
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """Megatron-LM's ``pretrain_gpt.py`` arguments for ``plan``."""
+    m = plan.mesh
+    layers = sum(1 for b in plan.model["blocks"] if b["name"] not in ("head", "tail", "root"))
+    args = ["--tensor-model-parallel-size", str(m["tp"]),
+            "--pipeline-model-parallel-size", str(m["pp"]),
+            "--micro-batch-size", str(plan.microbatch_size),
+            "--global-batch-size", str(plan.global_batch)]
+    if m["ep"] > 1:
+        args += ["--expert-model-parallel-size", str(m["ep"])]
+    if plan.schedule == "interleaved" and plan.virtual_stages > 1 and \
+            layers % (m["pp"] * plan.virtual_stages) == 0:
+        args += ["--num-layers-per-virtual-pipeline-stage",
+                 str(max(1, layers // (m["pp"] * plan.virtual_stages)))]
+    if plan.sequence_parallel and m["tp"] > 1:
+        args.append("--sequence-parallel")
+    modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
+             if b["name"] not in ("head", "tail", "root")}
+    if modes == {"full"}:
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    elif "selective" in modes:
+        args += ["--recompute-granularity", "selective"]
+    elif "full" in modes:  # some layers: Megatron's block method recomputes the first N
+        per_stage = max(1, sum(1 for mode in plan.recompute if mode == "full") // m["pp"])
+        args += ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", str(per_stage)]
+    if plan.zero_stage >= 1:
+        args.append("--use-distributed-optimizer")
+    compute = (plan.precision or {}).get("compute", "fp32")
+    if compute in ("bf16", "fp16"):
+        args.append(f"--{compute}")
+    seq = next(iter(plan.model["inputs"].values()))[-1]
+    args += ["--seq-length", str(seq), "--num-layers", str(layers)]
+    return args
+
+
+def megatron_command(plan: Plan, gpus_per_node: int = 8) -> str:
+    """A launch command (torchrun + pretrain_gpt.py) with ``plan``'s arguments."""
+    nproc = min(gpus_per_node, plan.devices)
+    nnodes = max(1, plan.devices // nproc)
+    notes = []
+    if plan.zero_stage >= 2:
+        notes.append(f"ZeRO-{plan.zero_stage} in the plan: Megatron's distributed optimizer "
+                     f"shards optimizer states only")
+    if plan.schedule in ("zero_bubble", "gpipe") or (
+            plan.schedule == "interleaved" and "--num-layers-per-virtual-pipeline-stage"
+            not in megatron_args(plan)):
+        notes.append(f"the plan's {plan.schedule} schedule has no Megatron-LM argument here: "
+                     f"1F1B runs")
+    lines = [f"# Megatron-LM launch for an autopar plan ({plan.devices} devices)"]
+    lines += [f"# {n}" for n in notes]
+    lines.append(f"torchrun --nnodes {nnodes} --nproc-per-node {nproc} pretrain_gpt.py \\")
+    args = megatron_args(plan)
+    pairs, i = [], 0
+    while i < len(args):
+        if args[i] in _FLAGS:
+            pairs.append(args[i])
+            i += 1
+        else:
+            pairs.append(f"{args[i]} {args[i + 1]}")
+            i += 2
+    lines += [f"    {p} \\" for p in pairs[:-1]] + [f"    {pairs[-1]}"]
+    return "\n".join(lines) + "\n"
+
+
+def is_megatron(text: str) -> bool:
+    """Whether a constraints file holds Megatron-LM arguments (by its content)."""
+    return "--tensor-model-parallel-size" in text or "--pipeline-model-parallel-size" in text
+
+
+def constraints_from_megatron(text: str) -> dict:
+    """Constraint keys pinned by Megatron-LM arguments (a launch command or a list)."""
+    words = shlex.split(text, comments=True)
+    values: dict[str, str | bool] = {}
+    for i, word in enumerate(words):
+        if not word.startswith("--"):
+            continue
+        key, _, inline = word.partition("=")
+        if key in _FLAGS:
+            values[key] = True
+        elif inline:
+            values[key] = inline
+        elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+            values[key] = words[i + 1]
+    out: dict = {"tp": int(values.get("--tensor-model-parallel-size", 1)),
+                 "pp": int(values.get("--pipeline-model-parallel-size", 1)),
+                 "ep": int(values.get("--expert-model-parallel-size", 1)),
+                 "sequence_parallel": bool(values.get("--sequence-parallel", False))}
+    if "--micro-batch-size" in values:
+        out["microbatch_size"] = int(values["--micro-batch-size"])
+    world = int(values.get("--nnodes", 1)) * int(values.get("--nproc-per-node", 0))
+    if world and "--global-batch-size" in values and "--micro-batch-size" in values:
+        dp_ep = world // (out["tp"] * out["pp"])
+        out["dp"] = dp_ep // out["ep"]
+        out["num_microbatches"] = int(values["--global-batch-size"]) // (
+            out["microbatch_size"] * dp_ep)
+    if "--num-layers-per-virtual-pipeline-stage" in values and "--num-layers" in values:
+        out["schedule"] = "interleaved"
+        out["virtual_stages"] = int(values["--num-layers"]) // (
+            out["pp"] * int(values["--num-layers-per-virtual-pipeline-stage"]))
+    elif out["pp"] > 1:
+        out["schedule"] = "1f1b"  # Megatron's pipeline schedule without virtual stages
+    granularity = values.get("--recompute-granularity")
+    if granularity in ("full", "selective") and values.get("--recompute-method") != "block":
+        out["recompute"] = granularity
+    elif granularity is None:
+        out["recompute"] = "none"
+    # the distributed optimizer shards optimizer states (ZeRO-1); under tp autopar's runtime
+    # runs that as ZeRO-2 (the nearest stage it supports; see plan/support.py); without it,
+    # under tp, the stage is left to the search for the same reason
+    if values.get("--use-distributed-optimizer"):
+        out["zero_stage"] = 1 if out["tp"] == 1 else 2
+    elif out["tp"] == 1:
+        out["zero_stage"] = 0
+    out["precision"] = "bf16" if values.get("--bf16") else "fp16" if values.get("--fp16") \
+        else "fp32"
+    return out
