@@ -57,9 +57,9 @@ def _default_out(model: str, devices: int) -> Path:
               help="Stop the search after this many seconds and report the proven gap.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Artifact directory [default: ./autopar-MODEL-DEVICES].")
-@click.option("--emit", type=click.Choice(["deepspeed", "megatron"]), multiple=True,
-              help="Also write the plan in another engine's format (deepspeed.json, "
-                   "megatron.sh).")
+@click.option("--emit", type=click.Choice(["deepspeed", "megatron", "mindformers"]),
+              multiple=True, help="Also write the plan in another engine's format "
+                                  "(deepspeed.json, megatron.sh, mindformers.yaml).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")

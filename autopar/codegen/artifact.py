@@ -51,6 +51,13 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
                                "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
+            import yaml
+
+            from autopar.plan.mindformers import mindformers_yaml
+
+            (tmp / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
+                                                                 sort_keys=False))
         if "megatron" in emit:  # a Megatron-LM launch command, on request
             from autopar.plan.megatron import megatron_command
 

@@ -34,35 +34,6 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in data_dir("strategies").glob("*.yaml"))
 
 
-def _from_mindformers(data: dict) -> dict:
-    pc = data.get("parallel_config") or {}
-    out: dict = {}
-    for src, dst in (("data_parallel", "dp"), ("model_parallel", "tp"),
-                     ("pipeline_stage", "pp"), ("expert_parallel", "ep"),
-                     ("micro_batch_num", "num_microbatches"),
-                     ("use_seq_parallel", "sequence_parallel")):
-        if src in pc:
-            out[dst] = pc[src]
-    if "optimizer_shard" in data:
-        # MindSpore's optimizer parallel is ZeRO-1; under model (tensor) parallelism
-        # autopar's runtime shards parameters with FSDP2, so the nearest stage it runs is 2;
-        # without optimizer sharding the stage is left to the search for the same reason
-        tp = out.get("tp", 1)
-        if data["optimizer_shard"]:
-            out["zero_stage"] = 1 if tp == 1 else 2
-        elif tp == 1:
-            out["zero_stage"] = 0
-    rc = data.get("recompute_config") or {}
-    if rc:
-        if rc.get("select_recompute"):
-            out["recompute"] = "selective"
-        else:
-            out["recompute"] = "full" if rc.get("recompute") else "none"
-    if data.get("offload"):
-        out["offload"] = ["optimizer"]
-    return out
-
-
 def load_constraints(spec: dict | str | Path | None) -> dict:
     """Validated pins from a dict, a YAML path, a preset name, or ``k=v,k=v`` text."""
     if spec is None:
@@ -99,8 +70,11 @@ def load_constraints(spec: dict | str | Path | None) -> dict:
         data = dict(spec)
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a mapping of constraint keys")
-    if "parallel_config" in data:
-        data = {**{k: v for k, v in data.items() if k in KEYS}, **_from_mindformers(data)}
+    from autopar.plan.mindformers import constraints_from_mindformers, is_mindformers
+
+    if is_mindformers(data):
+        data = {**{k: v for k, v in data.items() if k in KEYS},
+                **constraints_from_mindformers(data)}
     else:
         from autopar.plan.deepspeed import constraints_from_deepspeed, is_deepspeed
 
