@@ -61,6 +61,34 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
             dist.destroy_process_group()
 
 
+def run_in_group(rank: int, port: int, out, world: int, body, *args) -> None:
+    """The frame of a rank's test process: one thread, the gloo group (world > 1), then
+    ``body(*args)``; rank 0 reports its result on ``out`` as ("ok", result), any rank its
+    error as ("error", text); the group is always torn down."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+        result = body(*args)
+        if world > 1:
+            dist.barrier()  # all ranks done before any tears gloo down
+        if rank == 0:
+            out.put(("ok", result))
+    except Exception as exc:  # reported to the test as text
+        import traceback
+
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
+                          f"{''.join(traceback.format_exc()[-3000:])}"))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _capture_first_gradients(trainer, into: dict) -> None:
     """Record every parameter's full gradient as the first optimizer step sees it (after the
     gradient sync and clipping), keyed by its name in the plain model."""

@@ -3,15 +3,12 @@ stages and schedule, equal to one process."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import pytest
 
 import autopar
 from autopar.models import GPT, GPTConfig, token_inputs
 
-from .harness import spawn_ranks
+from .harness import run_in_group, spawn_ranks
 
 pytestmark = pytest.mark.dist
 CFG = dict(vocab_size=128, seq_len=32, d_model=64, n_layers=4, n_heads=4)
@@ -33,58 +30,45 @@ def _loss(logits, target):
 
 
 def _own_loop(rank: int, port: int, out, world: int, plan_dict: dict | None) -> None:
+    run_in_group(rank, port, out, world, _train_gpt, world, plan_dict)
+
+
+def _train_gpt(world: int, plan_dict: dict | None) -> list[float]:
     import torch
     import torch.distributed as dist
 
     from autopar.plan import Plan
     from autopar.runtime.apply import optimizer
 
-    torch.set_num_threads(1)
-    try:
-        if world > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=60))
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**CFG))  # every rank builds the same weights
-        losses = []
-        if plan_dict is None:  # one process, the plain model
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            for batch in _batches():
-                loss = _loss(model(batch[:, :-1]), batch[:, 1:])
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(float(loss))
-        else:
-            plan = Plan.from_dict(plan_dict)
-            dp = plan.mesh["dp"]
-            mine = dist.get_rank() % (dp * plan.mesh["tp"]) // plan.mesh["tp"]
-            share = BATCH // dp
-            example = torch.zeros(plan.microbatch_size, CFG["seq_len"], dtype=torch.long)
-            pipe = autopar.parallelize(model, plan, example=example, loss_fn=_loss)
-            opt = optimizer(pipe, plan, lr=1e-2)
-            for batch in _batches():
-                rows = batch[mine * share:(mine + 1) * share]
-                total = pipe.step(rows[:, :-1], target=rows[:, 1:])
-                opt.step()
-                opt.zero_grad()
-                if dp > 1:
-                    dist.all_reduce(total, group=pipe.dp_group)
-                    total /= dp
-                losses.append(float(total))
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            out.put(("ok", losses))
-    except Exception as exc:  # reported to the test
-        import traceback
-
-        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
-                          f"{traceback.format_exc()[-2000:]}"))
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))  # every rank builds the same weights
+    losses = []
+    if plan_dict is None:  # one process, the plain model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in _batches():
+            loss = _loss(model(batch[:, :-1]), batch[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+    plan = Plan.from_dict(plan_dict)
+    dp = plan.mesh["dp"]
+    mine = dist.get_rank() % (dp * plan.mesh["tp"]) // plan.mesh["tp"]
+    share = BATCH // dp
+    example = torch.zeros(plan.microbatch_size, CFG["seq_len"], dtype=torch.long)
+    pipe = autopar.parallelize(model, plan, example=example, loss_fn=_loss)
+    opt = optimizer(pipe, plan, lr=1e-2)
+    for batch in _batches():
+        rows = batch[mine * share:(mine + 1) * share]
+        total = pipe.step(rows[:, :-1], target=rows[:, 1:])
+        opt.step()
+        opt.zero_grad()
+        if dp > 1:
+            dist.all_reduce(total, group=pipe.dp_group)
+            total /= dp
+        losses.append(float(total))
+    return losses
 
 
 @pytest.mark.parametrize("pins", [dict(pp=2, dp=1, tp=1, schedule="1f1b"),
@@ -105,6 +89,10 @@ def test_parallelize_a_pipeline_in_your_own_loop(pins: dict) -> None:
 
 
 def _moe_loop(rank: int, port: int, out, world: int, plan_dict: dict | None) -> None:
+    run_in_group(rank, port, out, world, _train_moe, world, plan_dict)
+
+
+def _train_moe(world: int, plan_dict: dict | None) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -112,47 +100,30 @@ def _moe_loop(rank: int, port: int, out, world: int, plan_dict: dict | None) -> 
     from autopar.plan import Plan
     from autopar.runtime.apply import optimizer
 
-    torch.set_num_threads(1)
-    try:
+    torch.manual_seed(0)
+    model = build_model("tiny-mixtral", device="cpu", dtype=torch.float32)
+    plan = Plan.from_dict(plan_dict) if plan_dict else None
+    if plan is not None:
+        model = autopar.parallelize(model, plan)
+    opt = optimizer(model, plan, lr=1e-2) if plan else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replicas = plan.mesh["dp"] * plan.mesh["ep"] if plan else 1
+    mine = dist.get_rank() // plan.mesh["tp"] if plan else 0
+    losses = []
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        batch = torch.randint(0, 256, (BATCH, 17), generator=g)
+        rows = batch[mine * BATCH // replicas:(mine + 1) * BATCH // replicas]
+        loss = _loss(model(rows[:, :-1]).logits, rows[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
         if world > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=60))
-        torch.manual_seed(0)
-        model = build_model("tiny-mixtral", device="cpu", dtype=torch.float32)
-        plan = Plan.from_dict(plan_dict) if plan_dict else None
-        if plan is not None:
-            model = autopar.parallelize(model, plan)
-        opt = optimizer(model, plan, lr=1e-2) if plan else \
-            torch.optim.AdamW(model.parameters(), lr=1e-2)
-        replicas = plan.mesh["dp"] * plan.mesh["ep"] if plan else 1
-        mine = dist.get_rank() // plan.mesh["tp"] if plan else 0
-        losses = []
-        g = torch.Generator().manual_seed(3)
-        for _ in range(STEPS):
-            batch = torch.randint(0, 256, (BATCH, 17), generator=g)
-            rows = batch[mine * BATCH // replicas:(mine + 1) * BATCH // replicas]
-            loss = _loss(model(rows[:, :-1]).logits, rows[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(total)
-                total /= world
-            losses.append(float(total))
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            out.put(("ok", losses))
-    except Exception as exc:  # reported to the test
-        import traceback
-
-        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
-                          f"{traceback.format_exc()[-2000:]}"))
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+    return losses
 
 
 def test_parallelize_experts_in_your_own_loop() -> None:
