@@ -15,50 +15,37 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
             seed: int, checkpoint_dir: str | None = None, resume: bool = False,
             data: str = "synthetic", probe=None, program: str = "",
             first_grads: bool = False) -> None:
-    import torch
+    run_in_group(rank, port, out, world, _train, world, source, plan_dict, steps, seed,
+                 checkpoint_dir, resume, data, probe, program, first_grads)
+
+
+def _train(world: int, source: dict, plan_dict: dict, steps: int, seed: int,
+           checkpoint_dir: str | None, resume: bool, data: str, probe, program: str,
+           first_grads: bool) -> tuple:
     import torch.distributed as dist
 
+    from autopar.codegen import load_program
     from autopar.plan import Plan
     from autopar.runtime import Trainer
 
-    torch.set_num_threads(1)
-    try:
+    trainer = Trainer(source, Plan.from_dict(plan_dict), program=load_program(program),
+                      device="cpu", seed=seed, data=data)
+    if resume:
+        trainer.resume(checkpoint_dir)
+    captured: dict = {}
+    if first_grads:
+        _capture_first_gradients(trainer, captured)
+    losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
+    sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
+                  and any(pl.is_shard() for pl in p.placements))
+    probed = probe(trainer) if probe is not None else None  # on every rank: it may assert
+    if first_grads:  # every rank's, merged: pipeline ranks hold different parameters
+        everyone: list = [captured]
         if world > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=60))
-        from autopar.codegen import load_program
-
-        trainer = Trainer(source, Plan.from_dict(plan_dict), program=load_program(program),
-                          device="cpu", seed=seed, data=data)
-        if resume:
-            trainer.resume(checkpoint_dir)
-        captured: dict = {}
-        if first_grads:
-            _capture_first_gradients(trainer, captured)
-        losses = trainer.train(steps, checkpoint_dir=checkpoint_dir)
-        sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
-                      and any(pl.is_shard() for pl in p.placements))
-        probed = probe(trainer) if probe is not None else None  # on every rank: it may assert
-        if first_grads:  # every rank's, merged: pipeline ranks hold different parameters
-            everyone: list = [None] * world
-            if world > 1:
-                dist.all_gather_object(everyone, captured)
-            else:
-                everyone = [captured]
-            probed = {k: v for d in everyone for k, v in d.items()}
-        if world > 1:
-            dist.barrier()  # all ranks done before any tears gloo down
-        if rank == 0:
-            out.put(("ok", (losses, sharded) if probed is None else (losses, sharded, probed)))
-    except Exception as exc:  # reported to the test as text
-        import traceback
-
-        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
-                          f"{''.join(traceback.format_exc()[-3000:])}"))
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            everyone = [None] * world
+            dist.all_gather_object(everyone, captured)
+        probed = {k: v for d in everyone for k, v in d.items()}
+    return (losses, sharded) if probed is None else (losses, sharded, probed)
 
 
 def run_in_group(rank: int, port: int, out, world: int, body, *args) -> None:
