@@ -11,6 +11,7 @@ from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.data_cmd import data_group
 from autopar.cli.diff_cmd import diff_cmd
 from autopar.cli.explain_cmd import explain_cmd
+from autopar.cli.export_cmd import export_cmd
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
 from autopar.cli.report_cmd import report_cmd
@@ -35,6 +36,8 @@ def cli() -> None:
       autopar profile --quick --out my-box.yaml    # measure this machine, use cluster=my-box.yaml
       autopar data prepare corpus.txt --out tok    # token dataset for `run --data tok`
       torchrun --nproc-per-node 2 -m autopar run autopar-tiny-llama-2   # train a plan
+      autopar run DIR --init-from ./hf-folder     # start from Hugging Face weights
+      autopar export DIR --to hf ./trained        # the trained model as a Hugging Face folder
     """
 
 
@@ -47,6 +50,7 @@ cli.add_command(explain_cmd)
 run_cmd.short_help = "Train an artifact DIR under torchrun (or as one process)."
 cli.add_command(run_cmd)
 cli.add_command(profile_cmd)
+cli.add_command(export_cmd)
 cli.add_command(data_group)
 
 

@@ -77,8 +77,12 @@ def _program(directory: str, manifest: dict, plan) -> object:
               help="Save DIR/checkpoints every N steps (and always at the end).")
 @click.option("--resume", is_flag=True,
               help="Continue from the latest checkpoint in DIR/checkpoints (any plan's).")
+@click.option("--init-from", type=click.Path(exists=True), default=None,
+              help="Start from a Hugging Face checkpoint (a save_pretrained folder of "
+                   "safetensors): each rank reads only its slices.")
 def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
-            device: str | None, checkpoint_every: int, resume: bool) -> None:
+            device: str | None, checkpoint_every: int, resume: bool,
+            init_from: str | None) -> None:
     """Train the artifact in DIRECTORY with its program (DIR/train.py); one JSON line per step
     goes to DIR/logs/train.jsonl.
 
@@ -90,6 +94,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
       torchrun --nproc-per-node 4 -m autopar run autopar-tiny-llama-4 --steps 20 --device cpu
       torchrun --nproc-per-node 2 -m autopar run DIR --steps 10 --resume   # after re-planning
       torchrun --nnodes 2 --nproc-per-node 8 ... -m autopar run DIR --steps 1000
+      torchrun --nproc-per-node 4 -m autopar run DIR --init-from ./Llama-3.2-1B
     """
     from pathlib import Path
 
@@ -101,6 +106,9 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
 
     manifest, plan = load_artifact(directory)
     program = _program(directory, manifest, plan)
+    if resume and init_from and int(os.environ.get("RANK", "0")) == 0:
+        click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
+                   err=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
@@ -116,7 +124,8 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     try:
         log = Path(directory) / "logs" / "train.jsonl"
         trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
-                          lr=lr, log_path=log, data=data)
+                          lr=lr, log_path=log, data=data,
+                          init_from=None if resume else init_from)
         ckpt = Path(directory) / "checkpoints"
         if resume:
             trainer.resume(ckpt)

@@ -21,6 +21,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.errors import PlanError
 from autopar.runtime.tp_styles import FUSED_ATTR
+
+if TYPE_CHECKING:
+    from autopar.runtime.hf_weights import HFCheckpoint
 
 # path segments that wrappers insert between a module and its parent; the module's canonical
 # FQN (the one the unwrapped model has) is what its seed and its checkpoint key derive from
@@ -58,7 +62,8 @@ class InitReport:
 
 
 def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = None,
-                device: str | torch.device = "cpu") -> InitReport:
+                device: str | torch.device = "cpu",
+                weights: HFCheckpoint | None = None) -> InitReport:
     """Allocate ``model``'s parameters and buffers on ``device`` (local shards only) and
     initialise them as the unsharded model built from ``seed`` would be, in place.
 
@@ -69,6 +74,10 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
     init rules, which parallelism may have replaced. Without it, a model holding no
     DTensors and no fully_shard modules is its own reference. Tied parameters are
     initialised once, from their first owner. Call it before DDP and before the optimizer.
+
+    ``weights`` (a checkpoint matched to ``reference``) supplies every tensor it holds instead:
+    each rank reads only its slices; the rest (buffers such as rotary frequencies) are
+    generated as above.
     """
     for name, t in _named_tensors(model):
         if not t.is_meta:
@@ -100,10 +109,19 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
     for path, (module, chain) in units.items():
         if path not in wanted:
             continue  # nothing of it lives here (another pipeline stage)
+        todo = wanted[path]
+        if weights is not None:
+            for attr in list(todo):
+                fqn = f"{path}.{attr}" if path else attr
+                if weights.covers(fqn):
+                    for target in todo.pop(attr):
+                        weights.fill(target, fqn, rows.get(id(target)))
+            if not todo:
+                continue
         full = _generate(module, chain, path, seed)
         peak = max(peak, sum(t.numel() * t.element_size() for t in full.values()))
         with torch.no_grad():
-            for attr, targets in wanted[path].items():
+            for attr, targets in todo.items():
                 _check_written(full[attr], f"{path}.{attr}" if path else attr, module)
                 for target in targets:
                     whole = full[attr]

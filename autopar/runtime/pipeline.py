@@ -3,6 +3,8 @@ stage modules at the plan's block boundaries, and run by the plan's schedule."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,6 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.init import InitReport, materialize
+
+if TYPE_CHECKING:
+    from autopar.runtime.hf_weights import HFCheckpoint
 
 _LAYERLESS = ("head", "tail", "root")
 
@@ -224,12 +229,17 @@ def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
     keywords, in the graphs it reaches through call_module nodes; a transformers model also
     bakes the device into positional arguments (``aten.to.device``), and its stage forward
     then fails with "Tensor on device meta". Every graph module the stage holds is visited.
+
+    Code that branched on the device while tracing took the non-CPU branch on meta; the one
+    such branch that fails elsewhere is transformers' grouped-mm experts counting tokens per
+    expert with ``histc`` on integers, which CPU histc refuses: on CPU its input is cast to
+    float, as transformers' own CPU branch does.
     """
     for module in stage.modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
             continue
-        changed = False
+        changed = device.type in ("cpu", "mps") and _float_histc(graph)
 
         def swap(arg: object) -> object:
             nonlocal changed
@@ -249,12 +259,26 @@ def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:
                 code.recompile()
 
 
-def materialize_stages(modules: list[nn.Module], seed: int, reference: nn.Module, device: str
-                       ) -> InitReport:
+def _float_histc(graph: torch.fx.Graph) -> bool:
+    """Cast the input of every ``aten.histc`` to float32 (exact for counts below 2**24)."""
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            with graph.inserting_before(node):
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
+                                           {"dtype": torch.float32})
+            node.args = (cast, *node.args[1:])
+            changed = True
+    return changed
+
+
+def materialize_stages(modules: list[nn.Module], seed: int, reference: nn.Module, device: str,
+                       weights: HFCheckpoint | None = None) -> InitReport:
     """Allocate and initialise this rank's stage modules (laid out, still on meta) from
     ``reference``, the unsplit meta model: each stage gets the slice of the weights one
-    process would hold, tied copies on different stages included."""
-    reports = [materialize(module, seed, reference=reference, device=device)
+    process would hold, tied copies on different stages included; from ``weights`` (a
+    matched checkpoint) where it has them."""
+    reports = [materialize(module, seed, reference=reference, device=device, weights=weights)
                for module in modules]
     return InitReport(units=sum(r.units for r in reports),
                       peak_unit_bytes=max(r.peak_unit_bytes for r in reports),

@@ -23,19 +23,11 @@ from autopar.runtime.expert_parallel import (
     check_expert_parallel,
     sync_expert_grads,
 )
+from autopar.runtime.hf_weights import HFCheckpoint
 from autopar.runtime.init import InitReport, materialize
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
-
-
-def _stacked_experts(model: nn.Module) -> bool:
-    from autopar.runtime.expert_parallel import find_experts
-
-    try:
-        return bool(find_experts(model))
-    except PlanError:  # experts in another layout: not the kind the trace breaks
-        return False
 
 
 def _vocab(model: nn.Module, plan: Plan) -> int:
@@ -87,7 +79,8 @@ class Trainer:
     No rank builds the full model: it is built on meta, parallelised there, and then each rank
     allocates and initialises only its shards (:func:`autopar.runtime.init.materialize`,
     seeded per module, so every plan and one process start from the same weights);
-    ``init_report`` says what this rank allocated.
+    ``init_report`` says what this rank allocated. ``init_from`` (a Hugging Face safetensors
+    folder) supplies the weights instead, each rank reading only its slices.
     """
 
     init_report: InitReport  # this rank's materialisation: units, peak, local bytes
@@ -95,7 +88,7 @@ class Trainer:
     def __init__(self, source: dict, plan: Plan, *, program: ModuleType, device: str = "cpu",
                  seed: int = 0, lr: float = 1e-3, warmup_steps: int = 0,
                  grad_clip: float = 1.0, log_path: str | Path | None = None,
-                 data: str = "synthetic") -> None:
+                 data: str = "synthetic", init_from: str | Path | None = None) -> None:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
@@ -120,10 +113,9 @@ class Trainer:
         # the unparallelised meta model: materialize reads each module's class and init rule
         # from it (parallelism replaces both); a meta copy costs no memory
         reference = copy.deepcopy(model)
-        if plan.mesh["pp"] > 1 and _stacked_experts(model):
-            raise PlanError("pipelines of mixture-of-experts models are not in the runtime yet "
-                            "(the traced expert kernels do not run on the host); re-plan with "
-                            "constraints pp=1")
+        # a checkpoint of another model is refused here, from its headers, before any rank
+        # allocates; each rank later reads only its slices
+        self.weights = HFCheckpoint(init_from, reference) if init_from else None
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
         self.pipe = None
@@ -141,7 +133,7 @@ class Trainer:
         else:
             program.parallelize(model, mesh, plan)
             self.init_report = materialize(model, seed, reference=reference,
-                                           device=self.device)
+                                           device=self.device, weights=self.weights)
             # DDP broadcasts and buckets real tensors: only after materialize
             model = program.replicate(model, mesh, plan)
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
@@ -184,7 +176,8 @@ class Trainer:
             chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
             microbatches=spec["microbatches"])
         self.pp_group = mesh["pp"].get_group()
-        self.init_report = materialize_stages(modules, self.seed, reference, device)
+        self.init_report = materialize_stages(modules, self.seed, reference, device,
+                                              self.weights)
         self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
 
@@ -256,6 +249,31 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
         return value
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits for ``ids`` (every rank passes the same ids), whole and on
+        every rank: forward only, under the plan's parallelism. A pipeline takes the shape
+        it was traced for: ``num_microbatches * microbatch_size`` rows of ``seq`` tokens."""
+        ids = ids.to(self.device)
+        if self.pipe is None:
+            with self._compute():
+                return _full(_logits(self.model(ids))).float()
+        m, b = self.plan.num_microbatches, self.plan.microbatch_size
+        if tuple(ids.shape) != (m * b, self.seq):
+            raise PlanError(f"a pipeline computes logits for [{m * b}, {self.seq}] token ids "
+                            f"(its micro-batches), not {list(ids.shape)}")
+        with self._compute():
+            # runtime schedules compute the last stage's loss whenever they have a loss_fn:
+            # give it a target (the loss is dropped; eval runs no backward)
+            out = self.pipe.eval(ids, target=torch.zeros_like(ids), losses=[])
+        shape = (m * b, self.seq, self.vocab)
+        last = self.plan.mesh["pp"] - 1
+        mine = _logits(out).float() if out is not None and \
+            self.pp_group.rank() == last else torch.empty(shape, device=self.device)
+        group_rank = dist.get_global_rank(self.pp_group, last)
+        dist.broadcast(mine, group_rank, group=self.pp_group)
+        return mine
 
     @property
     def checkpointable(self) -> bool:

@@ -67,7 +67,10 @@ def model_facts(graph: Graph) -> ModelFacts:
     for block in graph.layer_blocks or graph.blocks:
         layout = megatron_layout(graph, block)
         for name in layout.column:
-            dims.add(graph.op(name).output_meta[0].shape[-1])
+            # a projection to one feature (Qwen2-MoE's shared-expert gate) can never split;
+            # the sharding solver keeps it replicated, and it constrains no tp
+            if (width := graph.op(name).output_meta[0].shape[-1]) > 1:
+                dims.add(width)
         for name in layout.row:
             dims.add(graph.op(name).input_meta[0].shape[-1])
     if experts == 0:  # experts as a ModuleList: count distinct indices under "experts"

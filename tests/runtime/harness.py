@@ -14,14 +14,14 @@ from autopar.cost.profile_comm import free_port
 def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict, steps: int,
             seed: int, checkpoint_dir: str | None = None, resume: bool = False,
             data: str = "synthetic", probe=None, program: str = "",
-            first_grads: bool = False) -> None:
+            first_grads: bool = False, init_from: str | None = None) -> None:
     run_in_group(rank, port, out, world, _train, world, source, plan_dict, steps, seed,
-                 checkpoint_dir, resume, data, probe, program, first_grads)
+                 checkpoint_dir, resume, data, probe, program, first_grads, init_from)
 
 
 def _train(world: int, source: dict, plan_dict: dict, steps: int, seed: int,
            checkpoint_dir: str | None, resume: bool, data: str, probe, program: str,
-           first_grads: bool) -> tuple:
+           first_grads: bool, init_from: str | None) -> tuple:
     import torch.distributed as dist
 
     from autopar.codegen import load_program
@@ -29,7 +29,7 @@ def _train(world: int, source: dict, plan_dict: dict, steps: int, seed: int,
     from autopar.runtime import Trainer
 
     trainer = Trainer(source, Plan.from_dict(plan_dict), program=load_program(program),
-                      device="cpu", seed=seed, data=data)
+                      device="cpu", seed=seed, data=data, init_from=init_from)
     if resume:
         trainer.resume(checkpoint_dir)
     captured: dict = {}
@@ -141,16 +141,17 @@ def spawn_ranks(target, world: int, args: tuple = (), timeout_s: float = 180.0,
 
 def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: float = 180.0,
               checkpoint_dir: str | None = None, resume: bool = False, data: str = "synthetic",
-              probe=None, first_grads: bool = False) -> tuple:
+              probe=None, first_grads: bool = False, init_from: str | None = None) -> tuple:
     """(losses of rank 0 after ``steps`` steps of ``plan`` on ``plan.devices`` processes, how
     many of its parameters are sharded DTensors). Every rank runs the program autopar
     generates for ``plan`` (what train.py holds). ``probe``, a module-level function of the
     Trainer, runs on every rank after training (collectives allowed); rank 0's result is
     appended as a third item; with ``first_grads``, every parameter's gradient at the first
-    optimizer step (all ranks', by plain-model name) is."""
+    optimizer step (all ranks', by plain-model name) is. ``init_from``: a Hugging Face
+    checkpoint folder the weights are loaded from."""
     from autopar.codegen import program_text
 
     program = program_text(plan, source)
     return spawn_ranks(_worker, plan.devices,
                        (plan.devices, source, plan.to_dict(), steps, seed, checkpoint_dir, resume,
-                        data, probe, program, first_grads), timeout_s)[0]
+                        data, probe, program, first_grads, init_from), timeout_s)[0]

@@ -18,7 +18,7 @@ import autopar
 FULL_SIZE = {"gpt": dict(vocab_size=50304, seq_len=2048, d_model=4096, n_layers=2, n_heads=32),
              "tiny-llama": "llama3-8b", "tiny-mixtral": "mixtral-8x7b",
              "tiny-phi3": "phi3-mini", "tiny-gpt-neox": "gpt-neox-20b",
-             "tiny-gpt2": "gpt3-175b"}
+             "tiny-gpt2": "gpt3-175b", "tiny-qwen2-moe": "qwen2-57b-a14b"}
 
 
 def pattern(fqn: str) -> str:

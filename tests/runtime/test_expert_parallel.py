@@ -134,6 +134,26 @@ def test_tiny_mixtral_expert_parallel_matches_single_process(mixtral, case: str)
     assert probe["tp_split"] >= 4 * MOE_LAYERS if plan.mesh["tp"] > 1 else not probe["tp_split"]
 
 
+@pytest.mark.parametrize("pins", [dict(pp=2, zero_stage=0), dict(pp=2, dp=2, zero_stage=3)],
+                         ids=["pp2", "pp2 x dp2 zero3"])
+def test_mixture_of_experts_pipeline_matches_single_process(mixtral, pins: dict) -> None:
+    """A pipeline of MoE layers (experts traced with transformers' grouped-mm kernel, the
+    layers split over stages) trains as one process does: losses and first-step gradients."""
+    source, graph, reference, _ = mixtral
+    devices = pins["pp"] * pins.get("dp", 1)
+    plan = _plan(graph, devices, ep=1, microbatch_size=1,
+                 num_microbatches=4 // pins.get("dp", 1), **pins)
+    assert plan.mesh["pp"] == 2 and plan.zero_stage == pins["zero_stage"]
+    losses, _ = run_ranks(source, plan, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    *_, grads = run_ranks(source, plan, 1, first_grads=True)  # clipped, as one process's
+    *_, reference_grads = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), 1,
+                                    first_grads=True)
+    assert grads.keys() == reference_grads.keys()
+    for name, ref in reference_grads.items():
+        assert np.linalg.norm(grads[name] - ref) <= 1e-4 * np.linalg.norm(ref), name
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_gradients_match_single_process(mixtral, case: str) -> None:
     """Adam barely notices a constant gradient scale, so the losses alone would not catch an
@@ -253,16 +273,3 @@ def test_expert_modules_it_cannot_split_are_refused() -> None:
     plan = type("P", (), {"mesh": {"ep": 2}})()
     with pytest.raises(autopar.PlanError, match="no expert modules.*ep=1"):
         apply_expert_parallel(nn.Sequential(nn.Linear(4, 4)), plan, ep_mesh=None)
-
-
-def test_pipelines_of_moe_models_are_neither_planned_nor_run(graph) -> None:
-    """The traced expert kernels do not run on the host: the search never proposes pp for an
-    MoE model, and a hand-edited plan is refused before any training."""
-    with pytest.raises(autopar.InfeasibleError, match="mixture-of-experts"):
-        _plan(graph, 2, pp=2, ep=1)
-    plan = _plan(graph, 2, dp=2, ep=1, tp=1, zero_stage=0, microbatch_size=1)
-    plan.mesh = {**plan.mesh, "pp": 2, "dp": 1}
-    plan.num_microbatches *= 2
-    plan.stages = [[0, 2], [2, len(plan.recompute)]]
-    with pytest.raises(RuntimeError, match="pipelines of mixture-of-experts models.*pp=1"):
-        run_ranks(describe_source("tiny-mixtral"), plan, 1)

@@ -1,0 +1,149 @@
+"""``autopar export DIR --to hf OUT``: a Hugging Face folder from a run's latest checkpoint.
+
+The distributed checkpoint (:mod:`autopar.runtime.checkpoint`) stores every plan's weights
+under the model's own names and layout, so the export needs no process group and no plan:
+it reads a few tensors at a time with ``torch.distributed.checkpoint`` (no_dist), writes
+them under the names ``save_pretrained`` uses (:func:`autopar.runtime.hf_layout.save_pieces`:
+per-expert tensors, original names), in safetensors shards of at most ``max_shard_bytes``
+with their index, plus ``config.json``. The folder appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.runtime.hf_layout import Piece, model_tensors, save_pieces
+from autopar.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_hf` wrote."""
+
+    path: Path
+    step: int  # the training step of the checkpoint exported
+    tensors: int  # checkpoint tensors written
+    files: int  # safetensors shards
+    bytes: int  # tensor bytes written
+
+
+def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
+              max_shard_bytes: int = 5 * 2**30) -> ExportReport:
+    """Write the latest checkpoint of the artifact ``directory`` as a Hugging Face folder
+    ``out`` that ``AutoModelForCausalLM.from_pretrained(out)`` loads, in ``dtype``."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.codegen import load_artifact
+    from autopar.runtime.checkpoint import latest_checkpoint
+    from autopar.runtime.source import build_from_source
+
+    if dtype not in DTYPES:
+        raise PlanError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PlanError(f"{out} already exists; pass a new folder (nothing is overwritten)")
+    manifest, _ = load_artifact(directory)
+    source = manifest["model"]
+    if source.get("kind") != "hf_config":
+        raise PlanError(f"{directory} trains a {source.get('kind')} model, not a Hugging Face "
+                        f"one; only models built from a transformers config export to --to hf")
+    ckpt = latest_checkpoint(Path(directory) / "checkpoints")
+    if ckpt is None:
+        raise PlanError(f"no complete checkpoint in {Path(directory) / 'checkpoints'}; train "
+                        f"first (autopar run {directory} --steps N saves one at the end)")
+    model = build_from_source(source, 0, "meta")
+    shapes, _, _ = model_tensors(model)
+    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    for name, shape in shapes.items():
+        meta = stored.get(f"model.{name}")
+        if meta is None or tuple(getattr(meta, "size", ())) != shape:
+            raise PlanError(f"checkpoint {ckpt} is not of this artifact's model ({name} is "
+                            f"{'missing' if meta is None else list(meta.size)}); export the "
+                            f"directory it was trained in")
+    pieces = save_pieces(model)
+    target = DTYPES[dtype]
+    shards = _shards(shapes, target.itemsize, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))] \
+        if len(shards) > 1 else [SINGLE_FILE]
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        weight_map, written, total = {}, 0, 0
+        for group, file in zip(shards, names, strict=True):
+            state = {f"model.{n}": torch.empty(shapes[n], dtype=stored[f"model.{n}"]
+                                               .properties.dtype) for n in group}
+            with warnings.catch_warnings():  # "assuming ... a single process": it is one
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+            tensors = {}
+            for n in group:
+                whole = state.pop(f"model.{n}").to(target)
+                for piece in pieces[n]:
+                    tensors[piece.key] = _box(whole, piece)
+            _save(tensors, partial / file)
+            weight_map.update(dict.fromkeys(tensors, file))
+            written += len(tensors)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(
+                weight_map.items()))}
+            (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        _config(model, source["config"], dtype).save_pretrained(str(partial))
+        step = json.loads((ckpt / "meta.json").read_text())["step"]
+        if out.exists():
+            out.rmdir()  # an empty folder the user made for it
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ExportReport(out, step, written, len(names), total)
+
+
+def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> list[list[str]]:
+    """Model tensors grouped, in state_dict order, into files of at most ``limit`` bytes (a
+    bigger tensor gets a file of its own)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _box(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
+    out = whole
+    for d, (start, n) in enumerate(zip(piece.start, piece.shape, strict=True)):
+        if start or n != whole.shape[d]:
+            out = out.narrow(d, start, n)
+    return (out.squeeze(0) if piece.stacked else out).contiguous()
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _config(model, recorded: dict, dtype: str):
+    """The model's transformers config as config.json should hold it: the recorded config,
+    the architecture class and the dtype of the written weights."""
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
+    config.use_cache = recorded.get("use_cache", True)
+    return config
