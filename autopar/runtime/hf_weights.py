@@ -24,6 +24,7 @@ from autopar.errors import PlanError
 from autopar.runtime.hf_layout import Piece, load_pieces, model_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
+CHUNK_BYTES = 32 * 2**20  # the most one read copies (and maps) at a time
 SINGLE_FILE = "model.safetensors"
 
 
@@ -144,13 +145,34 @@ class HFCheckpoint:
                 return  # nothing of this box lives in this shard
             where.append(positions)
             inside.append(idx[positions] - piece.start[d])
+        # the file's first dimension is read in chunks of at most CHUNK_BYTES, each from a
+        # freshly opened file: the transient copy and the mapped pages stay bounded by the
+        # chunk, not by the largest tensor
+        first = 1 if piece.stacked else 0
+        row_bytes = local.element_size() * max(1, int(torch.Size(
+            [w.numel() for w in where]).numel() // where[first].numel()))
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for lo in range(0, where[first].numel(), step):
+            part_where, part_inside = list(where), list(inside)
+            part_where[first] = where[first][lo:lo + step]
+            part_inside[first] = inside[first][lo:lo + step]
+            self._copy_box(piece, part_where, part_inside, local)
+
+    def _copy_box(self, piece: Piece, where: list[torch.Tensor], inside: list[torch.Tensor],
+                  local: torch.Tensor) -> None:
         file_dims = inside[1:] if piece.stacked else inside
         block = self._read_box(piece.key, file_dims)
         if piece.stacked:
             block = block.unsqueeze(0)
+        block = block.to(local.dtype)
+        if all(int(w[-1] - w[0]) + 1 == w.numel() for w in where):
+            # the usual case: one box of the shard; broadcast index tensors would cost 8
+            # bytes per element
+            local[tuple(slice(int(w[0]), int(w[-1]) + 1) for w in where)].copy_(block)
+            return
         view = [w.view([-1 if i == d else 1 for i in range(len(where))])
                 for d, w in enumerate(where)]
-        local.index_put_(tuple(view), block.to(local.dtype))
+        local.index_put_(tuple(view), block)
 
     def _read_box(self, key: str, dims: list[torch.Tensor]) -> torch.Tensor:
         """The checkpoint tensor ``key`` at the given indices per dimension, read as few
