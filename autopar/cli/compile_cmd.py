@@ -44,13 +44,15 @@ def _default_out(model: str, devices: int) -> Path:
               show_default=True)
 @click.option("--global-batch", type=click.IntRange(min=1), default=None,
               help="Sequences per optimizer step (infer: concurrent sequences) "
-                   "[default: one per device].")
+                   "[default: what the constraints imply, else one per device].")
 @click.option("--seq", type=click.IntRange(min=1), default=None,
-              help="Tokens per sequence [default: the config's context, at most 4096].")
-@click.option("--constraints", default=None,
-              help="A YAML file (a MindFormers YAML and a DeepSpeed JSON config are "
-                   "recognised), a strategies/ preset (megatron-3d, zero3-only, "
-                   "data-parallel-only, mindformers-style) or k=v,k=v pins (tp=8,pp=2).")
+              help="Tokens per sequence [default: the constraints' model seq_length, else "
+                   "the config's context, at most 4096].")
+@click.option("--constraints", default=None, multiple=True,
+              help="A YAML file (MindFormers YAML, DeepSpeed JSON and Megatron-LM arguments "
+                   "are recognised by content), a strategies/ preset (megatron-3d, "
+                   "zero3-only, data-parallel-only, mindformers-style) or k=v,k=v pins "
+                   "(tp=8,pp=2); repeat it to combine, later pins winning.")
 @click.option("--memory-limit-gb", type=float, default=None,
               help="Usable memory per device [default: the cluster's].")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0), default=None,
@@ -64,7 +66,7 @@ def _default_out(model: str, devices: int) -> Path:
               show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
-                seq: int | None, constraints: str | None, memory_limit_gb: float | None,
+                seq: int | None, constraints: tuple[str, ...], memory_limit_gb: float | None,
                 time_limit_s: float | None, out: str | None, emit: tuple[str, ...], fmt: str,
                 quiet: bool) -> None:
     """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
@@ -85,14 +87,18 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
       autopar compile llama3-8b --devices 64 --emit deepspeed   # also DIR/deepspeed.json
       autopar compile llama3-8b --devices 64 --constraints ds_config.json  # pins from it
+      autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \
+          --constraints engine=megatron --emit megatron      # a MindFormers job, for Megatron
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
     """
     from autopar.cost.hardware import load_cluster
     from autopar.search.api import plan as make_plan
     from autopar.search.constraints import load_constraints
 
-    load_constraints(constraints)  # bad pins and clusters fail before minutes of capture
+    constraints = list(constraints) or None
+    pins = load_constraints(constraints)  # bad pins and clusters fail before minutes of capture
     load_cluster(cluster)
+    seq = seq or (pins.get("model") or {}).get("seq_length")
     graph = capture_model(model, 1, seq, quiet)
     with search_progress(quiet) as progress:
         result = make_plan(graph, devices=devices, cluster=cluster, task=task,

@@ -105,6 +105,9 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     from autopar.runtime import Trainer
 
     manifest, plan = load_artifact(directory)
+    from autopar.plan.support import refuse_unsupported
+
+    refuse_unsupported(plan)  # before any program is (re)generated
     program = _program(directory, manifest, plan)
     if resume and init_from and int(os.environ.get("RANK", "0")) == 0:
         click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",

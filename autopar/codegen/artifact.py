@@ -30,7 +30,9 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
 
     ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
     whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
-    ``emit`` names other engines' formats to write beside the plan ("deepspeed").
+    ``emit`` names other engines' formats to write beside the plan ("deepspeed"). A plan
+    priced for another engine (``plan.engine`` megatron or deepspeed) gets that engine's file
+    instead of ``train.py``: autopar's runtime does not run it.
     """
     plan.validate()
     source = describe_source(model)
@@ -46,10 +48,13 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
                     "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
                     "model": source, "versions": library_versions()}
-        program = program_text(plan, source)
-        (tmp / PROGRAM_FILE).write_text(program)
-        manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
-                               "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
+        if plan.engine == "autopar":
+            program = program_text(plan, source)
+            (tmp / PROGRAM_FILE).write_text(program)
+            manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
+                                   "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
+        else:  # a plan for another engine runs there: its launch file instead of a program
+            emit = (*emit, plan.engine)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
             import yaml

@@ -95,7 +95,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             divisor = float(tp)
         else:
             divisor = 1.0
-        if name in layout.column or name in layout.row or vocab_parallel(graph, name, tp):
+        if name in layout.column or name in layout.row or vocab_parallel(
+                graph, name, tp, config.vocab_parallel):
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t
@@ -156,7 +157,8 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     block = graph.blocks[index]
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.microbatch_size, config.precision, cluster.cache_key, layout)
+           config.microbatch_size, config.precision, cluster.cache_key, layout,
+           config.vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)
@@ -174,7 +176,8 @@ def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
     c = cached_block_cost(graph, index, config, cluster, "none")
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.engine,
-           precision, config.trainable_fraction, cluster.cache_key, layout)
+           precision, config.trainable_fraction, cluster.cache_key, layout,
+           config.vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_traffic(c.dense_params, c.expert_params, c.param_tensors, config,

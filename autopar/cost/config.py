@@ -68,6 +68,7 @@ class ParallelConfig:
     trainable_fraction: float = 1.0  # < 1 for parameter-efficient fine-tuning
     engine: str = "autopar"
     tp_layouts: TPLayouts | None = None  # None: the Megatron layout of every block type
+    vocab_parallel: bool = True  # False: embedding tables stay whole on every tp rank
 
     @property
     def devices(self) -> int:

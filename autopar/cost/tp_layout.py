@@ -77,11 +77,13 @@ def tied(graph: Graph, param: str) -> bool:
     return bool(info is not None and info.aliases)
 
 
-def vocab_parallel(graph: Graph, op_name: str, tp: int) -> bool:
+def vocab_parallel(graph: Graph, op_name: str, tp: int, enabled: bool = True) -> bool:
     """Whether an embedding lookup splits its table over ``tp`` ranks (vocabulary parallel):
-    only when the rows divide evenly; otherwise it stays replicated."""
+    only when the rows divide evenly, and unless the plan keeps embeddings whole
+    (``enabled=False``, MindFormers' ``vocab_emb_dp``); otherwise it stays replicated."""
     op = graph.op(op_name)
-    if op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params or tied(graph, op.params[0]):
+    if not enabled or op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params or \
+            tied(graph, op.params[0]):
         return False
     shape = graph.params[op.params[0]].shape if op.params[0] in graph.params else ()
     return bool(shape) and shape[0] % tp == 0

@@ -15,6 +15,10 @@ from autopar.plan.plan import Plan
 
 _FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp16",
           "--group-query-attention"}
+# the model's shape: plan.shape's words -> Megatron-LM's flags
+_SHAPE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+          ("ffn_hidden_size", "--ffn-hidden-size"), ("num_heads", "--num-attention-heads"),
+          ("seq_length", "--seq-length"))
 
 
 def megatron_args(plan: Plan) -> list[str]:
@@ -50,7 +54,14 @@ def megatron_args(plan: Plan) -> list[str]:
     if compute in ("bf16", "fp16"):
         args.append(f"--{compute}")
     seq = next(iter(plan.model["inputs"].values()))[-1]
-    args += ["--seq-length", str(seq), "--num-layers", str(layers)]
+    shape = {"num_layers": layers, "seq_length": seq, **(plan.model.get("shape") or {})}
+    for key, flag in _SHAPE:
+        if key in shape:
+            args += [flag, str(shape[key])]
+    if shape.get("num_kv_heads", shape.get("num_heads")) != shape.get("num_heads"):
+        args += ["--group-query-attention", "--num-query-groups", str(shape["num_kv_heads"])]
+    if "seq_length" in shape:
+        args += ["--max-position-embeddings", str(shape["seq_length"])]
     return args
 
 
@@ -62,6 +73,11 @@ def megatron_command(plan: Plan, gpus_per_node: int = 8) -> str:
     if plan.zero_stage >= 2:
         notes.append(f"ZeRO-{plan.zero_stage} in the plan: Megatron's distributed optimizer "
                      f"shards optimizer states only")
+    layer_modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
+                   if b["name"] not in ("head", "tail", "root")}
+    if "selective" in layer_modes and len(layer_modes) > 1:
+        notes.append("the plan recomputes some layers selectively: Megatron-LM's selective "
+                     "granularity covers every layer")
     if plan.schedule in ("zero_bubble", "gpipe") or (
             plan.schedule == "interleaved" and "--num-layers-per-virtual-pipeline-stage"
             not in megatron_args(plan)):
@@ -88,8 +104,9 @@ def is_megatron(text: str) -> bool:
     return "--tensor-model-parallel-size" in text or "--pipeline-model-parallel-size" in text
 
 
-def constraints_from_megatron(text: str) -> dict:
-    """Constraint keys pinned by Megatron-LM arguments (a launch command or a list)."""
+def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
+    """Constraint keys pinned by Megatron-LM arguments (a launch command or a list), for a
+    plan priced for ``engine``."""
     words = shlex.split(text, comments=True)
     values: dict[str, str | bool] = {}
     for i, word in enumerate(words):
@@ -125,13 +142,21 @@ def constraints_from_megatron(text: str) -> dict:
         out["recompute"] = granularity
     elif granularity is None:
         out["recompute"] = "none"
-    # the distributed optimizer shards optimizer states (ZeRO-1); under tp autopar's runtime
-    # runs that as ZeRO-2 (the nearest stage it supports; see plan/support.py); without it,
-    # under tp, the stage is left to the search for the same reason
+    # the distributed optimizer shards optimizer states (ZeRO-1); under tp autopar's own
+    # runtime runs that as ZeRO-2 (the nearest stage it supports; see plan/support.py);
+    # without it, under tp, the stage is left to the search for the same reason
+    keep = out["tp"] == 1 or engine != "autopar"
     if values.get("--use-distributed-optimizer"):
-        out["zero_stage"] = 1 if out["tp"] == 1 else 2
-    elif out["tp"] == 1:
+        out["zero_stage"] = 1 if keep else 2
+    elif keep:
         out["zero_stage"] = 0
+    shape = {key: int(values[flag]) for key, flag in _SHAPE if flag in values}
+    if "--num-query-groups" in values and values.get("--group-query-attention"):
+        shape["num_kv_heads"] = int(values["--num-query-groups"])
+    elif "num_heads" in shape:
+        shape["num_kv_heads"] = shape["num_heads"]
+    if shape:
+        out["model"] = shape
     out["precision"] = "bf16" if values.get("--bf16") else "fp16" if values.get("--fp16") \
         else "fp32"
     return out

@@ -57,7 +57,8 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                 "replay the all-to-all dispatch's integer routing tensors: constraints "
                 "recompute=full)")
     if sequence_parallel and tp > 1 and pp > 1:
-        return "sequence parallelism inside pipeline stages (constraints sequence_parallel=false or pp=1)"
+        return ("sequence parallelism inside pipeline stages (constraints sequence_parallel=false "
+                "or pp=1; or engine=megatron to plan it for Megatron-LM)")
     if ep > 1 and pp > 1:
         return "expert parallelism with pipeline parallelism (constraints pp=1)"
     if kv_replicated and tp > 1 and pp > 1:
@@ -110,6 +111,11 @@ def refuse_unsupported(plan: Plan) -> None:
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
     from autopar.errors import PlanError
 
+    if (plan.engine or "autopar") != "autopar":
+        launch = {"megatron": "megatron.sh", "deepspeed": "deepspeed.json"}.get(plan.engine, "")
+        raise PlanError(f"the plan is priced for {plan.engine} (engine={plan.engine}), not for "
+                        f"autopar's runtime; run it with that engine ({launch} beside "
+                        f"plan.yaml), or re-plan with constraints engine=autopar")
     reason = plan_unsupported(plan)
     if reason is not None:
         raise PlanError(f"the runtime does not run {reason}; re-plan (autopar compile "

@@ -9,9 +9,11 @@ from torch import nn
 from autopar.cost.config import ENGINES
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.precision import default_precision
+from autopar.cost.tp_layout import vocab_parallel
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph
 from autopar.plan.plan import Plan, round6
+from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.placements import placements
@@ -39,18 +41,23 @@ def plan(
 
     ``model`` is anything :func:`autopar.capture` takes, or an already captured Graph.
     ``global_batch`` is sequences per optimizer step (train/finetune) or concurrent sequences
-    (infer); it defaults to one per device. ``constraints`` pins parts of the plan (a dict, a
-    YAML file, a ``strategies/`` preset name, or ``"tp=8,pp=2"``). Raises
+    (infer); it defaults to what the constraints imply (dp x micro-batch x micro-batches), else
+    one per device. ``constraints`` pins parts of the plan (a dict, a YAML file, a
+    ``strategies/`` preset name, ``"tp=8,pp=2"``, another engine's config, or a list of
+    these merged in order). Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
     if task not in TASKS:
         raise PlanError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if not isinstance(devices, int) or devices < 1:
         raise PlanError(f"devices must be a positive integer, got {devices!r}")
-    global_batch = devices if global_batch is None else global_batch
+    pins = load_constraints(constraints)
+    if global_batch is None:  # what the pins imply (another engine's config), else one each
+        implied = [pins.get(k) for k in ("dp", "microbatch_size", "num_microbatches")]
+        global_batch = devices if None in implied else \
+            implied[0] * pins.get("ep", 1) * implied[1] * implied[2]
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
-    pins = load_constraints(constraints)
     hw = load_cluster(cluster)
     if isinstance(model, Graph):
         graph = model
@@ -66,7 +73,14 @@ def plan(
     engine = pins.pop("engine", "autopar")
     if engine not in ENGINES:
         raise PlanError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    defaults = {"trainable_fraction": 1.0, "precision": precision, "engine": engine}
+    defaults = {"trainable_fraction": 1.0, "precision": precision, "engine": engine,
+                "vocab_parallel": pins.pop("vocab_parallel", True)}
+    shape = pins.pop("model", None)
+    if shape:  # constraints written for a model (a MindFormers model_config, Megatron flags)
+        wrong = shape_mismatch(shape, _shape(graph))
+        if wrong:
+            raise PlanError(f"the constraints are for another model: they state {wrong}; "
+                            f"plan the model they describe, or drop its shape from them")
     facts = model_facts(graph)
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
@@ -85,6 +99,11 @@ def plan(
                                           result.memory_rejected_bounds)
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
     return plan
+
+
+def _shape(graph: Graph) -> dict[str, int]:
+    seq = graph.inputs[0].meta.shape[-1] if graph.inputs and graph.inputs[0].meta.shape else None
+    return model_shape(graph.model_config, seq) if graph.model_config else {}
 
 
 def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
@@ -130,6 +149,11 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
     }
     if graph.model_config.get("model_type"):
         model["model_type"] = graph.model_config["model_type"]
+    shape = _shape(graph)
+    if shape:  # what other engines' files state: Megatron's shape flags, MindFormers' model
+        model["shape"] = shape
+    model["vocab_parallel"] = any(vocab_parallel(graph, op.name, config.tp,
+                                                 config.vocab_parallel) for op in graph.ops)
     solver = {
         "method": "per-block-type tensor-parallel sharding by CP-SAT; mesh, batching, ZeRO, "
                   "schedule and offload by exhaustive search with lower-bound pruning; "

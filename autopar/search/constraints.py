@@ -4,7 +4,10 @@ Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_sta
 ("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
-(autopar | megatron | deepspeed: whose collectives the prediction prices).
+(autopar | megatron | deepspeed: whose collectives the prediction prices), vocab_parallel
+(bool: false keeps embedding tables whole on every tp rank), model (the shape the pins were
+written for: hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, vocab_size,
+seq_length; a model of another shape is refused).
 A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
 ``recompute_config`` is translated to the same keys, and so is a DeepSpeed JSON config
@@ -26,7 +29,7 @@ from autopar.errors import PlanError
 INT_KEYS = ("pp", "dp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
             "virtual_stages")
 KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel", "precision",
-        "engine")
+        "engine", "vocab_parallel", "model")
 _IGNORED = ("name", "description")
 
 
@@ -34,52 +37,89 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in data_dir("strategies").glob("*.yaml"))
 
 
-def load_constraints(spec: dict | str | Path | None) -> dict:
-    """Validated pins from a dict, a YAML path, a preset name, or ``k=v,k=v`` text."""
+def load_constraints(spec: dict | str | Path | list | tuple | None) -> dict:
+    """Validated pins from a dict, a YAML path, a preset name, or ``k=v,k=v`` text; or from
+    a list of those, merged in order (a later pin wins): ``[mindformers.yaml,
+    "engine=megatron"]``. Another engine's file is translated for the engine the pins name."""
     if spec is None:
         return {}
-    where = "constraints"
-    if isinstance(spec, (str, Path)):
-        text = str(spec)
-        path = Path(text)
-        preset = data_dir("strategies") / f"{text}.yaml"
-        if path.is_file() or preset.is_file():
-            where = str(path if path.is_file() else preset)
-            raw = Path(where).read_text()
-            from autopar.plan.megatron import constraints_from_megatron, is_megatron
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    raws = [_read(s) for s in specs]
+    engine = "autopar"  # what the translations aim at: the runtime's nearest, or the engine's
+    for data, kind, _ in raws:
+        if kind == "plain" and isinstance(data, dict) and "engine" in data:
+            engine = data["engine"]
+    pins: dict = {}
+    for data, kind, where in raws:
+        pins.update(_pins(_translate(data, kind, engine, where), where))
+    return pins
 
-            try:
-                # Megatron-LM arguments (a launch command), recognised by their content
-                data = constraints_from_megatron(raw) if is_megatron(raw) else \
-                    yaml.safe_load(raw) or {}
-            except ValueError as exc:
-                raise PlanError(f"{where}: cannot read its Megatron-LM arguments ({exc})") \
-                    from None
-            except yaml.YAMLError as exc:
-                raise PlanError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") \
-                    from None
-        elif "=" in text:
-            data = {}
-            for item in text.split(","):
-                key, _, value = item.partition("=")
-                data[key.strip()] = yaml.safe_load(value.strip())
-        else:
-            raise PlanError(f"no constraints file or preset '{text}': use a YAML path, k=v pairs "
-                            f"(tp=8,pp=2) or a preset: {', '.join(preset_names())}")
+
+def _read(spec: dict | str | Path) -> tuple[object, str, str]:
+    """(the spec's data, its kind: plain / mindformers / deepspeed / megatron, where it came
+    from) before any translation."""
+    if not isinstance(spec, (str, Path)):
+        return dict(spec), "plain", "constraints"
+    text = str(spec)
+    path = Path(text)
+    preset = data_dir("strategies") / f"{text}.yaml"
+    if path.is_file() or preset.is_file():
+        where = str(path if path.is_file() else preset)
+        raw = Path(where).read_text()
+        from autopar.plan.megatron import is_megatron
+
+        if is_megatron(raw):  # Megatron-LM arguments (a launch command), by their content
+            return raw, "megatron", where
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as exc:
+            raise PlanError(f"{where} is not valid YAML ({' '.join(str(exc).split())})") \
+                from None
+    elif "=" in text:
+        where = "constraints"
+        data = {}
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            data[key.strip()] = yaml.safe_load(value.strip())
     else:
-        data = dict(spec)
+        raise PlanError(f"no constraints file or preset '{text}': use a YAML path, k=v pairs "
+                        f"(tp=8,pp=2) or a preset: {', '.join(preset_names())}")
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a mapping of constraint keys")
-    from autopar.plan.mindformers import constraints_from_mindformers, is_mindformers
+    from autopar.plan.deepspeed import is_deepspeed
+    from autopar.plan.mindformers import is_mindformers
 
-    if is_mindformers(data):
-        data = {**{k: v for k, v in data.items() if k in KEYS},
-                **constraints_from_mindformers(data)}
-    else:
-        from autopar.plan.deepspeed import constraints_from_deepspeed, is_deepspeed
+    kind = "mindformers" if is_mindformers(data) else "deepspeed" if is_deepspeed(data) \
+        else "plain"
+    return data, kind, where
 
-        if is_deepspeed(data):  # a DeepSpeed JSON config, recognised by its content
-            data = constraints_from_deepspeed(data)
+
+def _translate(data: object, kind: str, engine: str, where: str) -> dict:
+    if kind == "megatron":
+        from autopar.plan.megatron import constraints_from_megatron
+
+        try:
+            return constraints_from_megatron(str(data), engine)
+        except ValueError as exc:
+            raise PlanError(f"{where}: cannot read its Megatron-LM arguments ({exc})") \
+                from None
+    if kind == "mindformers":
+        from autopar.plan.mindformers import constraints_from_mindformers
+
+        try:
+            translated = constraints_from_mindformers(data, engine)
+        except ValueError as exc:
+            raise PlanError(f"{where}: {exc}") from None
+        # the YAML's own top-level "model" is its model section, read above
+        return {**{k: v for k, v in data.items() if k in KEYS and k != "model"}, **translated}
+    if kind == "deepspeed":
+        from autopar.plan.deepspeed import constraints_from_deepspeed
+
+        return constraints_from_deepspeed(data)
+    return data
+
+
+def _pins(data: dict, where: str) -> dict:
     pins: dict = {}
     for key, value in data.items():
         if key in _IGNORED:
@@ -109,10 +149,19 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: schedule must be one of {', '.join(SCHEDULES)}, "
                             f"got {value!r}")
         return value
-    if key == "sequence_parallel":
+    if key in ("sequence_parallel", "vocab_parallel"):
         if not isinstance(value, bool):
-            raise PlanError(f"{where}: sequence_parallel must be true or false")
+            raise PlanError(f"{where}: {key} must be true or false")
         return value
+    if key == "model":
+        from autopar.plan.shape import SHAPE_KEYS
+
+        if not isinstance(value, dict) or any(
+                k not in SHAPE_KEYS or not isinstance(v, int) or isinstance(v, bool) or v < 1
+                for k, v in value.items()):
+            raise PlanError(f"{where}: model must map {', '.join(SHAPE_KEYS)} to positive "
+                            f"integers, got {value!r}")
+        return dict(value)
     if key == "precision":
         try:
             return parse_precision(value)

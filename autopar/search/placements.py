@@ -125,7 +125,7 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
                         where[p] = f"Shard({out_dim if column else 1 - out_dim})@tp"
                     elif column:  # a column-parallel bias is split with its outputs
                         where[p] = "Shard(0)@tp"  # (a row-parallel one is added once, whole)
-            elif vocab_parallel(graph, name, config.tp):
+            elif vocab_parallel(graph, name, config.tp, config.vocab_parallel):
                 where = {p: "Shard(0)@tp" for p in op.params}  # vocabulary split
             weight = weight_param(graph, op) if op.kind is OpKind.LINEAR else None
             parts = fused_segments(graph, name) if tp and weight else None

@@ -117,6 +117,9 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                 if base.num_microbatches % mesh.pp:
                     continue
                 for v in VIRTUAL_STAGES:
+                    # Megatron-LM states virtual stages as layers per chunk: they must divide
+                    if base.engine == "megatron" and facts.layers % (v * mesh.pp):
+                        continue
                     if v * mesh.pp <= facts.blocks and pins.get("virtual_stages", v) == v:
                         schedules.append((name, v))
             elif pins.get("virtual_stages", 1) == 1:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import yaml
 
 import autopar
 from autopar.plan.mindformers import mindformers_yaml
+
+from ..cli.test_inspect import _assert_one_line_error, run_cli
 
 # the parallel sections of a MindFormers Llama-2-70B training YAML, for 64 devices
 MINDFORMERS = """
@@ -21,6 +26,7 @@ parallel_config:
   expert_parallel: 1
   micro_batch_num: 16
   use_seq_parallel: False
+  vocab_emb_dp: False
 recompute_config:
   recompute: False
   select_recompute: True
@@ -47,3 +53,63 @@ def test_a_mindformers_yaml_round_trips_through_a_plan(tmp_path) -> None:
     assert (again.mesh, again.zero_stage, again.num_microbatches) == \
         (plan.mesh, plan.zero_stage, plan.num_microbatches)
     assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+
+
+REAL = Path(__file__).resolve().parent.parent / "fixtures" / "mindformers" / \
+    "pretrain_llama2_70b_bf16_64p.yaml"
+
+
+def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
+    """MindFormers' Llama-2-70B YAML for 64 cards (dp 2, mp 4, pp 8, sequence parallel,
+    parallel optimizer, per-stage selective recompute) pins the plan; planned for
+    Megatron-LM, it comes out as Megatron arguments with the same layout and shape."""
+    out = tmp_path / "art"
+    made = run_cli("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL),
+                   "--constraints", "engine=megatron", "--emit", "mindformers", "--out",
+                   str(out), "-q", "--format", "json")
+    assert made.returncode == 0, made.stderr
+    plan = json.loads(made.stdout)
+    assert plan["mesh"] == {"pp": 8, "dp": 2, "tp": 4, "ep": 1} and plan["sequence_parallel"]
+    # the YAML's batch: dp x runner batch x micro-batches, and its sequence length
+    assert (plan["global_batch"], plan["microbatch_size"], plan["num_microbatches"]) == \
+        (512, 1, 256)
+    assert plan["model"]["inputs"]["input_ids"] == [1, 4096]
+    assert plan["zero_stage"] == 1 and plan["engine"] == "megatron"  # MindSpore's = ZeRO-1
+    assert plan["schedule"] == "1f1b" and plan["precision"]["compute"] == "bf16"
+    assert plan["model"]["vocab_parallel"]  # vocab_emb_dp: False (embeddings split over mp)
+    layers = plan["recompute"][1:-1]
+    assert [layers[s * 10:(s + 1) * 10].count("selective") for s in range(8)] == \
+        [10, 8, 6, 4, 2, 0, 0, 0]
+    args = (out / "megatron.sh").read_text().split()
+    for flag, value in (("--tensor-model-parallel-size", "4"),
+                        ("--pipeline-model-parallel-size", "8"), ("--num-layers", "80"),
+                        ("--hidden-size", "8192"), ("--ffn-hidden-size", "28672"),
+                        ("--num-attention-heads", "64"), ("--num-query-groups", "8"),
+                        ("--seq-length", "4096"), ("--global-batch-size", "512")):
+        assert args[args.index(flag) + 1] == value, flag
+    assert {"--sequence-parallel", "--use-distributed-optimizer", "--bf16"} <= set(args)
+    back = yaml.safe_load((out / "mindformers.yaml").read_text())
+    source = yaml.safe_load(REAL.read_text())
+    for key in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
+                "use_seq_parallel", "vocab_emb_dp"):
+        assert back["parallel_config"][key] == source["parallel_config"][key], key
+    assert back["recompute_config"]["select_recompute"] == \
+        source["recompute_config"]["select_recompute"]
+    # a Megatron-LM plan is not autopar's runtime's to run: no train.py, and run says so
+    assert not (out / "train.py").exists()
+    _assert_one_line_error(run_cli("run", str(out), "--steps", "1"), "megatron.sh",
+                           "engine=autopar")
+
+
+def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> None:
+    # autopar's own runtime keeps whole activations between pipeline stages
+    _assert_one_line_error(run_cli("compile", "llama2-70b", "--devices", "64",
+                                   "--constraints", str(REAL), "--out", str(tmp_path / "a"),
+                                   "-q"), "sequence parallelism inside pipeline stages",
+                           "engine=megatron")
+    # its model section describes Llama-2-70B, not 7B
+    _assert_one_line_error(run_cli("compile", "llama2-7b", "--devices", "64",
+                                   "--constraints", str(REAL), "--constraints",
+                                   "engine=megatron", "--out", str(tmp_path / "b"), "-q"),
+                           "for another model", "hidden_size 8192 (the model has 4096)")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
