@@ -83,3 +83,12 @@ def test_parallelize_your_own_loop_example() -> None:
     assert len(single) == 5
     for constraints in ("dp=2,zero_stage=3", "tp=2"):
         assert losses(*torchrun, script, constraints) == single, constraints
+
+
+def test_finetune_hf_weights_cpu_example(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "finetune_hf_weights_cpu.py"),
+                             str(tmp_path / "work")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exported step 3" in result.stdout and "(1, 16, 256) logits" in result.stdout
+    assert "missing" not in result.stderr.lower()  # from_pretrained found every weight
