@@ -103,3 +103,35 @@ def test_a_shard_is_read_in_bounded_chunks_in_any_row_order(hf_folder, monkeypat
         checkpoint.fill(target, fqn, (dim, order))
         assert torch.equal(target, whole.index_select(dim, order)), name
         assert checkpoint.bytes_read - before == whole.numel() * 4
+
+
+def test_dtypes_are_converted_and_sharded_folders_read(tmp_path) -> None:
+    """A bf16 checkpoint in shards with its index fills an fp32 model with the upcast values."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import autopar.runtime.hf_weights as hf_weights
+    from autopar.models.hf import build_model
+
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in
+             build_model("tiny-llama", device="cpu", dtype=torch.float32).state_dict().items()}
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for i, group in enumerate((names[:half], names[half:])):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: state[k] for k in group}, str(tmp_path / file))
+        weight_map.update(dict.fromkeys(group, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map":
+                                                                          weight_map}))
+    model = build_model("tiny-llama", device="meta")
+    checkpoint = hf_weights.HFCheckpoint(tmp_path, model)
+    for fqn in ("model.embed_tokens.weight", names[-1]):
+        target = torch.empty(state[fqn].shape, dtype=torch.float32)
+        checkpoint.fill(target, fqn)
+        assert torch.equal(target, state[fqn].float()), fqn
+    (tmp_path / weight_map[names[0]]).unlink()  # an index naming a missing shard
+    with pytest.raises(autopar.PlanError, match="copy the whole checkpoint folder"):
+        hf_weights.HFCheckpoint(tmp_path, model)
