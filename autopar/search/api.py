@@ -36,6 +36,7 @@ def plan(
     memory_limit_gb: float | None = None,
     time_limit_s: float | None = None,
     progress: Progress | None = None,
+    seq: int | None = None,
 ) -> Plan:
     """Find the fastest plan for ``model`` on ``devices`` devices of ``cluster``.
 
@@ -44,7 +45,9 @@ def plan(
     (infer); it defaults to what the constraints imply (dp x micro-batch x micro-batches), else
     one per device. ``constraints`` pins parts of the plan (a dict, a YAML file, a
     ``strategies/`` preset name, ``"tp=8,pp=2"``, another engine's config, or a list of
-    these merged in order). Raises
+    these merged in order). ``seq`` is the tokens per sequence of a named model or config
+    (default: the constraints' model seq_length, else the config's context, at most 4096).
+    Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
     if task not in TASKS:
@@ -59,8 +62,13 @@ def plan(
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     hw = load_cluster(cluster)
+    seq = seq or (pins.get("model") or {}).get("seq_length")
     if isinstance(model, Graph):
         graph = model
+    elif isinstance(model, (str, Path)) and example_inputs is None:
+        from autopar.capture import capture
+
+        graph = capture(model, seq=seq)
     else:
         from autopar.capture import capture
 

@@ -46,3 +46,9 @@ def test_a_pinned_model_shape_must_match_the_model() -> None:
         autopar.plan(graph, devices=1, constraints={"model": {"num_layers": 80}})
     with pytest.raises(autopar.PlanError, match="model must map"):
         load_constraints({"model": {"layers": 80}})
+
+
+def test_seq_of_a_named_model_comes_from_the_call_or_the_pinned_shape() -> None:
+    assert autopar.plan("tiny-llama", devices=1, seq=16).model["inputs"]["input_ids"] == [1, 16]
+    pinned = autopar.plan("tiny-llama", devices=1, constraints={"model": {"seq_length": 24}})
+    assert pinned.model["inputs"]["input_ids"] == [1, 24]
