@@ -29,6 +29,7 @@ def capture(
     kwargs: dict | None = None,
     batch: int = 1,
     seq: int | None = None,
+    peft: object = None,
 ) -> Graph:
     """Capture a model into autopar's IR.
 
@@ -37,18 +38,26 @@ def capture(
     config (a shipped name such as ``"llama3-8b"``, a ``config.json`` path or its folder), which is
     built on the meta device and fed ``batch`` x ``seq`` token ids. Raises
     :class:`autopar.CaptureError` naming what failed and how to fix it.
+
+    ``peft`` (a fine-tuning method, see :func:`autopar.peft.parse_peft`) transforms the model
+    first, in place for an nn.Module as peft's ``get_peft_model`` does: its frozen and
+    trainable parameters are recorded per parameter.
     """
     if isinstance(model, (str, Path)):
         text = str(model)
         if text.lower().endswith(".onnx"):
             from autopar.capture.onnx_import import onnx_graph
 
+            if peft is not None:
+                raise CaptureError("a fine-tuning method transforms a PyTorch model, not an "
+                                   "ONNX file; pass the model or its Hugging Face config")
             graph = onnx_graph(Path(text))
         else:
             from autopar.models.hf import build_model, load_config, max_positions, token_inputs
 
             cfg = load_config(text)
             module = build_model(cfg, device="meta")
+            _adapt(module, peft)
             args = _as_tuple(example_inputs) or token_inputs(
                 batch, seq or min(max_positions(cfg), 4096))
             graph = _capture_module(module, args, kwargs, cfg)
@@ -60,6 +69,7 @@ def capture(
                 f"like a real batch, e.g. (torch.zeros(1, 128, dtype=torch.long, device='meta'),)"
             )
         cfg = model.config.to_dict() if hasattr(model, "config") and hasattr(model.config, "to_dict") else None
+        _adapt(model, peft)
         graph = _capture_module(model, args, kwargs, cfg)
     else:
         raise CaptureError(
@@ -67,7 +77,18 @@ def capture(
             f"Hugging Face config name/path"
         )
     assign_blocks(graph)
+    if peft is not None:
+        from autopar.peft import parse_peft
+
+        graph.peft = parse_peft(peft).to_dict()
     return graph
+
+
+def _adapt(module: nn.Module, peft: object) -> None:
+    if peft is not None:
+        from autopar.peft import apply_peft
+
+        apply_peft(module, peft)
 
 
 def _capture_module(module: nn.Module, args: tuple, kwargs: dict | None, cfg: dict | None) -> Graph:

@@ -28,16 +28,18 @@ def progress(message: str, quiet: bool = False) -> Iterator[None]:
         yield
 
 
-def capture_model(spec: str, batch: int, seq: int | None, quiet: bool = False):
-    """Capture MODEL given on the command line (shipped name, config path, module:factory, .onnx)."""
+def capture_model(spec: str, batch: int, seq: int | None, quiet: bool = False,
+                  peft: object = None):
+    """Capture MODEL given on the command line (shipped name, config path, module:factory,
+    .onnx), transformed by a fine-tuning method when ``peft`` names one."""
     from autopar.capture import capture
     from autopar.models.spec import is_factory, load_factory
 
     with progress(f"capturing {spec}", quiet):
         if is_factory(spec):
             model, inputs = load_factory(spec)
-            return capture(model, inputs or None)
-        return capture(spec, batch=batch, seq=seq)
+            return capture(model, inputs or None, peft=peft)
+        return capture(spec, batch=batch, seq=seq, peft=peft)
 
 
 def load_plan(path: str):

@@ -53,6 +53,11 @@ def _default_out(model: str, devices: int) -> Path:
                    "are recognised by content), a strategies/ preset (megatron-3d, "
                    "zero3-only, data-parallel-only, mindformers-style) or k=v,k=v pins "
                    "(tp=8,pp=2); repeat it to combine, later pins winning.")
+@click.option("--peft", default=None,
+              help="With --task finetune: a parameter-efficient method (lora, prefix_tuning, "
+                   "adapter, low_rank_adapter, bitfit, rdrop), k=v settings "
+                   "(method=lora,r=16,lora_alpha=32,target_modules=all-linear) or peft's "
+                   "adapter_config.json.")
 @click.option("--memory-limit-gb", type=float, default=None,
               help="Usable memory per device [default: the cluster's].")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0), default=None,
@@ -66,9 +71,9 @@ def _default_out(model: str, devices: int) -> Path:
               show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
-                seq: int | None, constraints: tuple[str, ...], memory_limit_gb: float | None,
-                time_limit_s: float | None, out: str | None, emit: tuple[str, ...], fmt: str,
-                quiet: bool) -> None:
+                seq: int | None, constraints: tuple[str, ...], peft: str | None,
+                memory_limit_gb: float | None, time_limit_s: float | None, out: str | None,
+                emit: tuple[str, ...], fmt: str, quiet: bool) -> None:
     """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
     plan.yaml, manifest.json and train.py, the training program generated from the plan
     (`autopar run DIR` and `torchrun DIR/train.py` run it).
@@ -90,6 +95,9 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \
           --constraints engine=megatron --emit megatron      # a MindFormers job, for Megatron
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
+      autopar compile llama3-8b --devices 8 --task finetune --peft lora   # LoRA, base frozen
+      autopar compile llama3-8b --devices 8 --task finetune \
+          --peft method=lora,r=16,lora_alpha=32,target_modules=all-linear
     """
     from autopar.cost.hardware import load_cluster
     from autopar.search.api import plan as make_plan
@@ -99,7 +107,15 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
     pins = load_constraints(constraints)  # bad pins and clusters fail before minutes of capture
     load_cluster(cluster)
     seq = seq or (pins.get("model") or {}).get("seq_length")
-    graph = capture_model(model, 1, seq, quiet)
+    if peft is not None:
+        from autopar.errors import PlanError
+        from autopar.peft import parse_peft
+
+        if task != "finetune":
+            raise PlanError(f"--peft trains part of the model: add --task finetune (not "
+                            f"--task {task})")
+        peft = parse_peft(peft)  # a bad method or setting fails before the capture
+    graph = capture_model(model, 1, seq, quiet, peft=peft)
     with search_progress(quiet) as progress:
         result = make_plan(graph, devices=devices, cluster=cluster, task=task,
                            global_batch=global_batch, constraints=constraints,

@@ -44,6 +44,10 @@ class BlockCost:
     expert_params: float
     output_bytes: float  # what a stage boundary after this block sends
     param_tensors: int = 0  # parameter tensors (one all-gather each under DeepSpeed's ZeRO-3)
+    # of dense_params / expert_params, those that train (gradients, optimizer states): fewer
+    # than all when fine-tuning freezes the base weights
+    trainable_dense: float = 0.0
+    trainable_expert: float = 0.0
 
 
 def captured_batch(graph: Graph) -> int:
@@ -80,6 +84,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     byte_scale = flop_scale * precision.activation_bytes / captured_float_bytes(graph)
     layout = tp_layout(graph, block, config.tp_layouts)
     fwd = 0.0
+    bwd = 0.0
     core_s = 0.0
     core = attention_core(graph, block) if recompute == "selective" else set()
     expert_param_names: set[str] = set()
@@ -100,9 +105,13 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t
+        # the backward computes the input gradient (one forward's work) and, for an op with
+        # a trainable weight, the weight gradient (another); a frozen weight skips the second
+        frozen = bool(op.params) and not any(
+            graph.params[p].trainable for p in op.params if p in graph.params)
+        bwd += t if frozen else 2 * t
         if name in core:
             core_s += t
-    bwd = 2 * fwd
     recompute_s = fwd if recompute == "full" else core_s
     # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
     # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
@@ -136,18 +145,22 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                 root = storage_root(graph, op.inputs[i])
                 src = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
                 kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / tp
-    dense = expert = 0.0
+    dense = expert = trainable_dense = trainable_expert = 0.0
     for p in block.params:
-        numel = graph.params[p].numel if p in graph.params else 0
+        info = graph.params.get(p)
+        numel = info.numel if info is not None else 0
+        trains = info is None or info.trainable
         if p in expert_param_names:
             expert += numel / config.ep
-        elif p in tp_param_names:
-            dense += numel / tp
+            trainable_expert += numel / config.ep if trains else 0.0
         else:
-            dense += numel
+            share = numel / tp if p in tp_param_names else numel
+            dense += share
+            trainable_dense += share if trains else 0.0
     out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
     return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
-                     acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params))
+                     acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params),
+                     trainable_dense, trainable_expert)
 
 
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
@@ -176,11 +189,10 @@ def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
     c = cached_block_cost(graph, index, config, cluster, "none")
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.engine,
-           precision, config.trainable_fraction, cluster.cache_key, layout,
-           config.vocab_parallel)
+           precision, cluster.cache_key, layout, config.vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_traffic(c.dense_params, c.expert_params, c.param_tensors, config,
                                      cluster, precision.param_bytes, precision.grad_bytes,
-                                     config.trainable_fraction)
+                                     c.trainable_dense, c.trainable_expert)
     return by_type[key]

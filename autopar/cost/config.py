@@ -65,7 +65,6 @@ class ParallelConfig:
     offload: frozenset[str] = field(default_factory=frozenset)
     stages: tuple[tuple[int, int], ...] | None = None  # [start, end) block ranges; None = balanced
     precision: Precision | None = None  # None: the device's default (see cost.precision)
-    trainable_fraction: float = 1.0  # < 1 for parameter-efficient fine-tuning
     engine: str = "autopar"
     tp_layouts: TPLayouts | None = None  # None: the Megatron layout of every block type
     vocab_parallel: bool = True  # False: embedding tables stay whole on every tp rank

@@ -97,15 +97,19 @@ def _replicas_axis(expert: bool) -> str:
 
 def block_traffic(dense: float, expert: float, tensors: int, config: ParallelConfig,
                   cluster: Cluster, param_bytes: int, grad_bytes: int,
-                  trainable_fraction: float) -> BlockTraffic:
+                  trainable_dense: float | None = None,
+                  trainable_expert: float | None = None) -> BlockTraffic:
     """The sharded-data-parallel collectives of one block holding ``dense`` and ``expert``
-    parameter elements (``tensors`` parameter tensors) on this device."""
+    parameter elements (``tensors`` parameter tensors) on this device, of which the
+    ``trainable_*`` ones (all by default) have gradients to reduce."""
     gather = reduce = 0.0
+    trainable = {"dense_dp": dense if trainable_dense is None else trainable_dense,
+                 "dp": expert if trainable_expert is None else trainable_expert}
     for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
         if numel <= 0:
             continue
         param_b = numel * param_bytes
-        grad_b = numel * trainable_fraction * grad_bytes
+        grad_b = trainable[axis] * grad_bytes
         if config.engine == "deepspeed":
             count = max(tensors, 1)
             gather += count * axis_collective_time("all_gather", param_b / count, config, axis,
@@ -129,18 +133,22 @@ class StepSync:
 
 
 def step_sync(dense: float, expert: float, config: ParallelConfig, cluster: Cluster,
-              param_bytes: int, grad_bytes: int, trainable_fraction: float) -> StepSync:
+              param_bytes: int, grad_bytes: int, trainable_dense: float | None = None,
+              trainable_expert: float | None = None) -> StepSync:
     """The once-per-step gradient reduction and parameter gathers of ZeRO-0/1 (and ZeRO-2 on
-    the megatron and deepspeed engines), for a stage holding ``dense``/``expert`` elements."""
+    the megatron and deepspeed engines), for a stage holding ``dense``/``expert`` elements,
+    of which the ``trainable_*`` ones (all by default) have gradients."""
     grad = last = param = 0.0
     sync = config.zero_stage <= 1 or (config.engine != "autopar" and config.zero_stage == 2)
     if not sync:
         return StepSync(0.0, 0.0, False, 0.0)
     replicas = config.dp * config.ep
+    trainable = {"dense_dp": dense if trainable_dense is None else trainable_dense,
+                 "dp": expert if trainable_expert is None else trainable_expert}
     for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
         if numel <= 0:
             continue
-        grad_b = numel * trainable_fraction * grad_bytes
+        grad_b = trainable[axis] * grad_bytes
         param_b = numel * param_bytes
         if config.engine == "megatron":
             bucket = max(MEGATRON_BUCKET_PARAMS, 1e6 * replicas) * grad_bytes

@@ -124,12 +124,15 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
     mem = MemoryBreakdown()
     dense = sum(c.dense_params * k for c, k in blocks)
     expert = sum(c.expert_params * k for c, k in blocks)
+    trainable_dense = sum(c.trainable_dense * k for c, k in blocks)
+    trainable_expert = sum(c.trainable_expert * k for c, k in blocks)
     held = 1.0
     if train:
         param_b, grad_b, optim_b, copy_b = state_bytes(precision, config.engine)
-        for numel, n in ((dense, config.dp * config.ep), (expert, config.dp)):
+        for numel, n, trains in ((dense, config.dp * config.ep, trainable_dense),
+                                 (expert, config.dp, trainable_expert)):
             states = model_state_bytes(numel, n, config.zero_stage, param_b, grad_b, optim_b,
-                                       config.trainable_fraction)
+                                       trains)
             mem.params += states.params
             mem.grads += states.grads
             mem.optimizer += states.optimizer
@@ -238,7 +241,8 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     if train and replicated and not per_block:
         sync = step_sync(sum(c.dense_params for c in costs), sum(c.expert_params for c in costs),
                          config, cluster, precision.param_bytes, precision.grad_bytes,
-                         config.trainable_fraction)
+                         sum(c.trainable_dense for c in costs),
+                         sum(c.trainable_expert for c in costs))
         # the window is the plain backward: recompute only lengthens the critical path, and
         # must not look like it buys hiding (it is chosen for memory, never for time)
         extra += step_sync_exposed(sync, sum(c.bwd_s for c in costs) + sum(tp_bwd), overlap)

@@ -44,14 +44,15 @@ def model_state_bytes(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     optimizer_bytes: int = 12,
-    trainable_fraction: float = 1.0,
+    trainable: float | None = None,
 ) -> MemoryBreakdown:
     """Parameters, gradients and optimizer states of ``num_params`` on one device.
 
-    Only trainable parameters carry gradients and optimizer states.
+    Only the ``trainable`` of them (all by default; fewer when fine-tuning freezes the base
+    weights) carry gradients and optimizer states.
     """
     nd = max(data_parallel, 1)
-    trainable = num_params * trainable_fraction
+    trainable = num_params if trainable is None else trainable
     params = num_params * param_bytes
     grads = trainable * grad_bytes
     optimizer = trainable * optimizer_bytes

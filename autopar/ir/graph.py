@@ -151,6 +151,8 @@ class Graph:
         self.outputs = outputs
         self.source = source  # "torch.export" | "fx.symbolic_trace" | "onnx"
         self.model_config = model_config or {}
+        # the fine-tuning method applied before capture (autopar.peft.PeftConfig.to_dict())
+        self.peft: dict = {}
         self.blocks: list[Block] = []
         self.dag = nx.DiGraph()
         for inp in inputs:

@@ -106,6 +106,10 @@ class Plan:
     precision: dict = field(default_factory=dict)
     # whose collectives the prediction prices: autopar's runtime, or megatron / deepspeed
     engine: str = "autopar"
+    # task="finetune": the parameter-efficient method (autopar.peft.PeftConfig as a dict) and
+    # the parameters it trains (the rest are frozen)
+    peft: dict = field(default_factory=dict)
+    trainable_params: int = 0
     version: int = PLAN_VERSION
 
     # -- persistence ----------------------------------------------------------------------
@@ -191,6 +195,10 @@ class Plan:
             raise PlanError(f"{where}: stages end at block {expect} but the model has {nblocks}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"{where}: zero_stage must be 0-3, got {self.zero_stage}")
+        if self.peft:
+            from autopar.peft import parse_peft
+
+            parse_peft(dict(self.peft))  # one line naming the bad setting
         if self.precision:
             from autopar.cost.precision import Precision
 

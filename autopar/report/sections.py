@@ -57,10 +57,26 @@ def summary_section(d: dict) -> Section:
                                    f"gradient reduction {prec['reduce']}"
                                    + (", dynamic loss scaling" if prec.get("loss_scaling")
                                       else "")))
+    if s.get("trainable_params"):
+        peft = s.get("peft") or {}
+        method = peft.get("method", "full fine-tuning")
+        if method == "lora":
+            method += f" r={peft.get('r')} on {_targets(peft.get('target_modules'))}"
+        total = s.get("model_params") or 0
+        share = s["trainable_params"] / total if total else 0.0
+        pairs.append(("fine-tuning", f"{method}: {fmt.count(s['trainable_params'])} of "
+                                     f"{fmt.count(total)} parameters train "
+                                     f"({fmt.pct(share)}); the rest are frozen"))
     if s.get("engine", "autopar") != "autopar":
         pairs.append(("priced for", f"{s['engine']}'s collectives (a plan to export, not to run "
                                     f"with autopar run)"))
     return Section("Summary", pairs=pairs, anchor="summary")
+
+
+def _targets(targets: object) -> str:
+    if targets is None:
+        return "the default targets"
+    return targets if isinstance(targets, str) else ", ".join(targets)
 
 
 def robustness_section(d: dict) -> Section | None:

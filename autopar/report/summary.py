@@ -182,6 +182,8 @@ def report_data(plan: Plan) -> dict:
             "memory_fraction": p.memory["total"] / limit if limit else None,
             "host_bytes_per_node": p.host_bytes_per_node,
             "precision": dict(plan.precision), "engine": plan.engine,
+            "peft": dict(plan.peft), "trainable_params": plan.trainable_params,
+            "model_params": plan.model.get("params", 0),
         },
         "robustness": _robustness(plan),
         "breakdown": breakdown, "bottleneck_stage": bottleneck,

@@ -37,6 +37,7 @@ def plan(
     time_limit_s: float | None = None,
     progress: Progress | None = None,
     seq: int | None = None,
+    peft: object = None,
 ) -> Plan:
     """Find the fastest plan for ``model`` on ``devices`` devices of ``cluster``.
 
@@ -47,7 +48,9 @@ def plan(
     ``strategies/`` preset name, ``"tp=8,pp=2"``, another engine's config, or a list of
     these merged in order). ``seq`` is the tokens per sequence of a named model or config
     (default: the constraints' model seq_length, else the config's context, at most 4096).
-    Raises
+    ``peft`` (task="finetune") names a parameter-efficient method, e.g. ``{"method": "lora",
+    "r": 8, "lora_alpha": 16, "target_modules": [...]}`` (see :mod:`autopar.peft`): the base
+    weights are frozen, and ``plan.trainable_params`` counts what trains. Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
     if task not in TASKS:
@@ -63,16 +66,31 @@ def plan(
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     hw = load_cluster(cluster)
     seq = seq or (pins.get("model") or {}).get("seq_length")
+    peft_config = None
+    if peft is not None:
+        from autopar.peft import parse_peft
+
+        if task != "finetune":
+            raise PlanError(f"peft= trains part of the model: it needs task='finetune', not "
+                            f"{task!r}")
+        peft_config = parse_peft(peft)
+        if isinstance(model, Graph) and model.peft != peft_config.to_dict():
+            raise PlanError("peft= transforms the model before capture; pass the model (or "
+                            "its name) rather than a captured graph, or capture it with "
+                            "autopar.capture(model, peft=...)")
     if isinstance(model, Graph):
         graph = model
+        if graph.peft and task != "finetune":
+            raise PlanError(f"the graph was captured with a fine-tuning method: plan it with "
+                            f"task='finetune', not {task!r}")
     elif isinstance(model, (str, Path)) and example_inputs is None:
         from autopar.capture import capture
 
-        graph = capture(model, seq=seq)
+        graph = capture(model, seq=seq, peft=peft_config)
     else:
         from autopar.capture import capture
 
-        graph = capture(model, example_inputs)
+        graph = capture(model, example_inputs, peft=peft_config)
     capacity = (memory_limit_gb * 1e9 if memory_limit_gb is not None
                 else hw.device.usable_memory_bytes)
     if capacity <= 0:
@@ -81,7 +99,7 @@ def plan(
     engine = pins.pop("engine", "autopar")
     if engine not in ENGINES:
         raise PlanError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    defaults = {"trainable_fraction": 1.0, "precision": precision, "engine": engine,
+    defaults = {"precision": precision, "engine": engine,
                 "vocab_parallel": pins.pop("vocab_parallel", True)}
     shape = pins.pop("model", None)
     if shape:  # constraints written for a model (a MindFormers model_config, Megatron flags)
@@ -98,6 +116,9 @@ def plan(
                     time_limit_s=time_limit_s, progress=progress, defaults=defaults,
                     layouts=layouts)
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
+    if task == "finetune":
+        plan.peft = dict(graph.peft)
+        plan.trainable_params = facts.trainable_params
     chosen = [sol for sol in sharding if sol.tp == plan.mesh["tp"]]
     plan.solver["sharding"] = {
         f"block type {sol.type_id}": {"status": sol.status, "objective_s": round6(sol.objective_s),

@@ -186,12 +186,17 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
     assert precision is not None
     dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
     experts = facts.expert_params / (config.ep * config.pp)
+    # the trainable share, split as far as anything is (a lower bound)
+    trains_dense = (facts.trainable_params - facts.trainable_expert_params) / (
+        config.tp * config.pp)
+    trains_experts = facts.trainable_expert_params / (config.ep * config.pp)
     out = MemoryBreakdown()
     param_b, grad_b, optim_b, _ = state_bytes(precision, config.engine)
-    for numel, replicas in ((dense, config.dp * config.ep), (experts, config.dp)):
+    for numel, replicas, trains in ((dense, config.dp * config.ep, trains_dense),
+                                    (experts, config.dp, trains_experts)):
         if train:
             states = model_state_bytes(numel, replicas, config.zero_stage, param_b, grad_b,
-                                       optim_b, config.trainable_fraction)
+                                       optim_b, trains)
         else:
             states = MemoryBreakdown(params=numel * precision.param_bytes)
         out.params += states.params
@@ -252,7 +257,10 @@ def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
         dense = (graph.num_params - facts.expert_params) / (config.tp * config.pp)
         experts = facts.expert_params / (config.ep * config.pp)
         sync = step_sync(dense, experts, config, cluster, precision.param_bytes,
-                         precision.grad_bytes, config.trainable_fraction)
+                         precision.grad_bytes,
+                         (facts.trainable_params - facts.trainable_expert_params) / (
+                             config.tp * config.pp),
+                         facts.trainable_expert_params / (config.ep * config.pp))
         window = 0.0
         for blocks in graph.block_types().values():
             c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")

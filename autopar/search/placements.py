@@ -105,6 +105,7 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
     tp = config.tp > 1
     # an expert weight may first be read by a plain indexing op: decide by any expert use
     experts = {p for op in graph.ops if op.kind is OpKind.MOE_EXPERT for p in op.params}
+    split_linears: dict[str, str] = {}  # module path -> "column" | "row" (LoRA follows them)
     for block in graph.blocks:
         layout = tp_layout(graph, block, config.tp_layouts)
         per_node = nodes.setdefault(str(block.type_id), {}) if str(block.type_id) not in nodes \
@@ -120,6 +121,7 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
             elif tp and (name in layout.column or name in layout.row):
                 weight, out_dim = weight_param(graph, op), output_dim(graph, op)
                 column = name in layout.column
+                split_linears[weight.rsplit(".", 1)[0]] = "column" if column else "row"
                 for p in op.params:
                     if p == weight:  # column: output features split; row: input features
                         where[p] = f"Shard({out_dim if column else 1 - out_dim})@tp"
@@ -145,6 +147,11 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
                     per_node[name] = "split"
     for p in graph.params:
         params.setdefault(p, "Shard(0)@dp" if zero else "Replicate")
+    for p in params:  # LoRA on a column linear: B split; on a row linear: A split
+        module, _, leaf = p.rpartition(".")
+        kind = split_linears.get(module)
+        if kind and (leaf, kind) in (("lora_B", "column"), ("lora_A", "row")):
+            params[p] = f"Shard({0 if leaf == 'lora_B' else 1})@tp" + zero
     out = {"params": dict(sorted(params.items())), "nodes_by_block_type": nodes}
     if tp:
         out["fused"] = dict(sorted(fused.items()))

@@ -166,7 +166,7 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
 
     ``pins`` fixes any of pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage,
     recompute, offload, schedule, sequence_parallel; ``defaults`` sets the remaining
-    ParallelConfig fields (precision, engine, trainable fraction); ``layouts`` are the
+    ParallelConfig fields (precision, engine, vocab_parallel); ``layouts`` are the
     per-op tensor-parallel layouts per degree (:func:`autopar.search.sharding.solve_layouts`).
     """
     started = time.perf_counter()

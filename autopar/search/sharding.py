@@ -28,6 +28,7 @@ from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
+from autopar.peft import is_added_param
 from autopar.search.placements import fused_segments
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
@@ -81,6 +82,10 @@ def kv_projections(graph: Graph, block: Block, tp: int) -> dict[str, int]:
 def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = None
                 ) -> list[str]:
     op = graph.op(name)
+    if op.kind is OpKind.LINEAR and op.params and any(is_added_param(p) for p in op.params):
+        # a LoRA factor: laid out with its base linear (solve_block ties them): B split with a
+        # column base's outputs, A with a row base's inputs
+        return ["R", "W" if op.params[0].endswith("lora_A") else "C"]
     if op.kind is OpKind.LINEAR and op.params and kv and name in kv:
         return ["R", "G"]  # replicated, or its rank's kv head (G)
     if op.kind is OpKind.LINEAR and op.params and any(tied(graph, p) for p in op.params):
@@ -220,6 +225,11 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                     nbytes = op.input_meta[0].nbytes
                     cost_terms.append(comm("all_reduce", nbytes) * allreduce_inputs[src])
                 model.AddImplication(x[name, s], allreduce_inputs[src])
+    for adapter, base, strategy in _adapter_ties(graph, block):
+        if (base, strategy) in x:
+            model.Add(x[adapter, strategy] == x[base, strategy])
+        else:
+            model.Add(x[adapter, strategy] == 0)
     model.Minimize(sum(cost_terms))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1  # deterministic
@@ -238,6 +248,24 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         sharded=[pos[n] for n, s in pick.items() if s in ("C", "S", "G")],
         kv=[(pos[n], kv[n]) for n, s in pick.items() if s == "G"],
     )
+
+
+def _adapter_ties(graph: Graph, block: Block) -> list[tuple[str, str, str]]:
+    """(LoRA op, its base linear op, the strategy they share): a LoRA B is column-parallel
+    exactly when its base is, a LoRA A row-parallel exactly when its base is."""
+    by_weight = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        if op.kind is OpKind.LINEAR and op.params and not is_added_param(op.params[0]):
+            by_weight[op.params[0].rpartition(".")[0]] = name
+    ties = []
+    for name in block.nodes:
+        op = graph.op(name)
+        if op.kind is OpKind.LINEAR and op.params and is_added_param(op.params[0]):
+            module, _, leaf = op.params[0].rpartition(".")
+            if module in by_weight:
+                ties.append((name, by_weight[module], "W" if leaf == "lora_A" else "C"))
+    return ties
 
 
 def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16"

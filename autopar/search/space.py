@@ -34,6 +34,8 @@ class ModelFacts:
     expert_params: int  # parameter elements inside experts (split by ep, not tp)
     batch: int  # captured batch
     seq: int
+    trainable_params: int = 0  # parameter elements that train (all but a frozen base's)
+    trainable_expert_params: int = 0
 
     def tp_ok(self, tp: int) -> bool:
         """Whether the layers' projections split evenly over ``tp``. Heads need not divide:
@@ -81,11 +83,15 @@ def model_facts(graph: Graph) -> ModelFacts:
                                                          for p in op.params}
                        if p in graph.params)
     first = graph.inputs[0].meta.shape if graph.inputs else (1, 1)
+    expert_names = {p for op in graph.ops if op.kind is OpKind.MOE_EXPERT for p in op.params}
+    trainable = [p for p in graph.params.values() if p.trainable]
     return ModelFacts(
         blocks=len(graph.blocks), layers=len(graph.layer_blocks) or len(graph.blocks),
         heads=tuple(sorted(heads)), split_dims=tuple(sorted(dims)), experts=experts,
         expert_params=expert_numel,
         batch=first[0] if first else 1, seq=first[1] if len(first) > 1 else 1,
+        trainable_params=sum(p.numel for p in trainable),
+        trainable_expert_params=sum(p.numel for p in trainable if p.fqn in expert_names),
     )
 
 

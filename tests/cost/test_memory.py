@@ -19,7 +19,7 @@ def test_zero_paper_worked_example(stage: int, expected_gb: float) -> None:
 
 
 def test_frozen_parameters_have_no_grads_or_optimizer_states() -> None:
-    states = model_state_bytes(1e9, 1, 0, trainable_fraction=0.01)
+    states = model_state_bytes(1e9, 1, 0, trainable=1e7)
     assert states.params == 2e9 and states.grads == pytest.approx(2e7)
     assert states.optimizer == pytest.approx(1.2e8)
 
