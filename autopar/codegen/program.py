@@ -32,6 +32,10 @@ def program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
     from autopar.runtime.tensor_parallel import tensor_parallel_layout
 
     model = build_from_source(source, seed=0, device="meta")
+    if plan.peft:  # the layout names the adapters' parameters too
+        from autopar.peft import apply_peft
+
+        apply_peft(model, plan.peft)
     m = plan.mesh
     layout = None
     if m["tp"] > 1:
@@ -42,6 +46,8 @@ def program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
     _header(w, plan, source, model_name or type(model).__name__,
             layout.styles if layout is not None else {})
     _mesh(w, plan)
+    if plan.peft:
+        _peft(w, plan)
     if layout is not None:
         _tensor_parallel_tables(w, layout, layers)
     recompute = {b["name"]: mode for b, mode in zip(plan.model["blocks"], plan.recompute,
@@ -192,6 +198,22 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
         arch = (source["config"].get("architectures") or [model_name])[0]
         w.line(f"# the model: {arch} (transformers) from manifest.json's config, built on meta")
         w.blank()
+
+
+def _peft(w: _Writer, plan: Plan) -> None:
+    w.line("# fine-tuning: the base model is frozen; the method adds (or unfreezes) what trains,")
+    w.line(f"# {plan.trainable_params:,} parameters")
+    w.line("PEFT = {")
+    for key, value in plan.peft.items():  # Python literals (True, None), not JSON's
+        w.line(f"    {key!r}: {value!r},")
+    w.line("}")
+    w.blank(2)
+    w.line("def adapt(model):")
+    w.line('    """Apply the fine-tuning method, on meta, before the model is laid out."""')
+    w.line("    from autopar.peft import apply_peft")
+    w.blank()
+    w.line("    apply_peft(model, PEFT)")
+    w.blank(2)
 
 
 def _mesh(w: _Writer, plan: Plan) -> None:

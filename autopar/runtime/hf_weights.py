@@ -98,10 +98,12 @@ class HFCheckpoint:
 
     ``model`` is the unparallelised model, normally on meta. Every tensor of the model must
     come from the checkpoint, except buffers (built by the model's own rule, like rotary
-    frequencies) and tied copies (read from their first owner).
+    frequencies), tied copies (read from their first owner) and the ``optional`` ones (what a
+    fine-tuning method added: initialised by its own rule).
     """
 
-    def __init__(self, path: str | Path, model: nn.Module) -> None:
+    def __init__(self, path: str | Path, model: nn.Module,
+                 optional: set[str] | frozenset[str] = frozenset()) -> None:
         self.path = Path(path)
         self.files = checkpoint_files(path)
         headers = _headers(self.files)
@@ -110,7 +112,8 @@ class HFCheckpoint:
         self.pieces: dict[str, list[Piece]] = load_pieces(
             model, {k: s for k, (s, _) in headers.items()}, where)
         shapes, _, buffers = model_tensors(model)
-        missing = sorted(n for n in shapes if n not in self.pieces and n not in buffers)
+        missing = sorted(n for n in shapes if n not in self.pieces and n not in buffers
+                         and n not in optional)
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise PlanError(f"{where} does not match the model: it lacks {missing[0]}{more}; "

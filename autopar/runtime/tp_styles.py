@@ -68,10 +68,15 @@ class ColumnParallel(ColwiseParallel):
         super().__init__(**kwargs)
         self.parts = parts if parts and len(parts) > 1 else None
 
-    def _partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name:  # a child of the linear (LoRA's dropout): nothing of its own to split
+            return
         _distribute(module, "weight", mesh, Shard(output_dim(module)), self.src_data_rank)
         if getattr(module, "bias", None) is not None:
             _distribute(module, "bias", mesh, Shard(0), self.src_data_rank)
+        if getattr(module, "lora_B", None) is not None:  # LoRA: B split with the outputs
+            _distribute(module, "lora_A", mesh, Replicate(), self.src_data_rank)
+            _distribute(module, "lora_B", mesh, Shard(0), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -79,8 +84,9 @@ class ColumnParallel(ColwiseParallel):
                             f"(nn.Linear and Conv1D are); re-plan with tp=1")
         if self.parts:
             index = fused_index(self.parts, device_mesh.size())
+            # LoRA's B rows are the fused output rows too
             setattr(module, FUSED_ATTR, {"weight": (output_dim(module), index),
-                                         "bias": (0, index)})
+                                         "bias": (0, index), "lora_B": (0, index)})
         return distribute_module(
             module, device_mesh, self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -89,6 +95,14 @@ class ColumnParallel(ColwiseParallel):
 
 class RowParallel(RowwiseParallel):
     """Row parallelism for nn.Linear and GPT-2's Conv1D (weight split on its input rows)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # a child of the linear (LoRA's dropout): nothing of its own to split
+            return
+        super()._partition_linear_fn(name, module, device_mesh)
+        if getattr(module, "lora_A", None) is not None:  # LoRA: A split with the inputs
+            _distribute(module, "lora_A", device_mesh, Shard(1), self.src_data_rank)
+            _distribute(module, "lora_B", device_mesh, Replicate(), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

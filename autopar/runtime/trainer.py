@@ -104,6 +104,13 @@ class Trainer:
         self.scaler = LossScaler(self.device) \
             if program is not None and getattr(program, "LOSS_SCALING", False) else None
         model = build_from_source(source, seed, "meta")
+        base_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        adapt = getattr(program, "adapt", None) if program is not None else None
+        if adapt is not None:  # fine-tuning: freeze the base, add what trains
+            adapt(model)
+        elif plan.peft:
+            raise PlanError("the plan fine-tunes with a method but the program has no adapt(); "
+                            "delete train.py to regenerate it from plan.yaml")
         check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
@@ -115,7 +122,9 @@ class Trainer:
         reference = copy.deepcopy(model)
         # a checkpoint of another model is refused here, from its headers, before any rank
         # allocates; each rank later reads only its slices
-        self.weights = HFCheckpoint(init_from, reference) if init_from else None
+        added = {n for n, _ in reference.named_parameters(remove_duplicate=False)} - base_names
+        self.weights = HFCheckpoint(init_from, reference, optional=added) if init_from \
+            else None
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
         self.pipe = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from autopar.cost.activations import storage_root
 from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
+from autopar.peft import is_added_param
 
 SCHEDULES_PP = ("1f1b", "interleaved", "zero_bubble", "gpipe")
 OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
@@ -70,11 +71,14 @@ def model_facts(graph: Graph) -> ModelFacts:
         layout = megatron_layout(graph, block)
         for name in layout.column:
             # a projection to one feature (Qwen2-MoE's shared-expert gate) can never split;
-            # the sharding solver keeps it replicated, and it constrains no tp
-            if (width := graph.op(name).output_meta[0].shape[-1]) > 1:
+            # the sharding solver keeps it replicated, and it constrains no tp. A LoRA factor
+            # splits only along its base linear's features
+            if (width := graph.op(name).output_meta[0].shape[-1]) > 1 and \
+                    not _adapter(graph, name):
                 dims.add(width)
         for name in layout.row:
-            dims.add(graph.op(name).input_meta[0].shape[-1])
+            if not _adapter(graph, name):
+                dims.add(graph.op(name).input_meta[0].shape[-1])
     if experts == 0:  # experts as a ModuleList: count distinct indices under "experts"
         idx = {p.split(".experts.")[1].split(".")[0] for p in graph.params if ".experts." in p}
         experts = len([i for i in idx if i.isdigit()])
@@ -93,6 +97,10 @@ def model_facts(graph: Graph) -> ModelFacts:
         trainable_params=sum(p.numel for p in trainable),
         trainable_expert_params=sum(p.numel for p in trainable if p.fqn in expert_names),
     )
+
+
+def _adapter(graph: Graph, name: str) -> bool:
+    return any(is_added_param(p) for p in graph.op(name).params)
 
 
 def tp_tiles_nodes(tp: int, devices_per_node: int) -> bool:

@@ -26,8 +26,10 @@ def pattern(fqn: str) -> str:
 
 
 @functools.cache
-def full_size_layout(tiny: str, tp: int = 8, seq: int = 1024) -> dict[str, str]:
-    """Parameter pattern -> placement the planner chooses for ``tiny``'s full-size sibling."""
+def full_size_layout(tiny: str, tp: int = 8, seq: int = 1024, peft: str | None = None
+                     ) -> dict[str, str]:
+    """Parameter pattern -> placement the planner chooses for ``tiny``'s full-size sibling
+    (fine-tuned with ``peft``, as k=v text, when given: its adapters' placements too)."""
     full = FULL_SIZE[tiny]
     if isinstance(full, dict):
         import torch
@@ -38,16 +40,17 @@ def full_size_layout(tiny: str, tp: int = 8, seq: int = 1024) -> dict[str, str]:
             model = GPT(GPTConfig(**full))
         graph = autopar.capture(model, token_inputs(1, full["seq_len"]))
     else:
-        graph = autopar.capture(full, seq=seq)
+        graph = autopar.capture(full, seq=seq, peft=peft)
     plan = autopar.plan(graph, devices=tp, global_batch=tp, memory_limit_gb=1e6,  # the layout
-                        constraints=dict(tp=tp, pp=1, sequence_parallel=False))
+                        constraints=dict(tp=tp, pp=1, sequence_parallel=False),
+                        task="finetune" if peft else "train")
     return {pattern(k): v for k, v in plan.placements["params"].items()}
 
 
-def with_full_size_layout(plan, tiny: str, tp: int = 8):
+def with_full_size_layout(plan, tiny: str, tp: int = 8, peft: str | None = None):
     """``plan`` (of ``tiny``, tp > 1) with the tensor-parallel placements of the full-size
     sibling's plan; its other placements (ZeRO-3's @dp, experts' @ep) stay."""
-    layout = full_size_layout(tiny, tp)
+    layout = full_size_layout(tiny, tp, peft=peft)
     params = plan.placements["params"]
     for fqn, placement in params.items():
         mine = [p for p in placement.split("+") if "@tp" not in p and p != "Replicate"]
