@@ -29,18 +29,27 @@ def _bytes(text: str) -> int:
               show_default=True, help="dtype of the written weights.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest safetensors file (a bigger tensor gets its own file).")
-def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: str) -> None:
+@click.option("--merge", is_flag=True,
+              help="LoRA fine-tuning: fold the adapters into the base weights and write the "
+                   "whole model (default: peft's adapter folder).")
+def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: str,
+               merge: bool) -> None:
     """Write the latest checkpoint of artifact DIRECTORY (trained under any plan) as a
-    Hugging Face folder OUT: AutoModelForCausalLM.from_pretrained(OUT) loads it.
+    Hugging Face folder OUT: AutoModelForCausalLM.from_pretrained(OUT) loads it. A LoRA
+    fine-tuning run becomes peft's adapter folder (PeftModel.from_pretrained(base, OUT)), or
+    with --merge the merged model.
 
     \b
     Examples:
       autopar export autopar-tiny-llama-4 --to hf ./tiny-llama-trained
       autopar export DIR --to hf OUT --dtype bf16 --max-shard-size 2GB
+      autopar export lora-run --to hf ./adapter          # adapter_model.safetensors + config
+      autopar export lora-run --to hf ./merged --merge   # a whole model, LoRA folded in
     """
     from autopar.runtime.hf_export import export_hf
 
-    report = export_hf(directory, out, dtype=dtype, max_shard_bytes=_bytes(max_shard_size))
+    report = export_hf(directory, out, dtype=dtype, max_shard_bytes=_bytes(max_shard_size),
+                       merge=merge)
     click.echo(f"exported step {report.step} of {directory} to {report.path}: {report.tensors} "
                f"tensors, {report.bytes / 2**20:.1f} MiB in {report.files} file"
                f"{'s' if report.files > 1 else ''} ({dtype})")

@@ -38,9 +38,13 @@ class ExportReport:
 
 
 def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
-              max_shard_bytes: int = 5 * 2**30) -> ExportReport:
+              max_shard_bytes: int = 5 * 2**30, merge: bool = False) -> ExportReport:
     """Write the latest checkpoint of the artifact ``directory`` as a Hugging Face folder
-    ``out`` that ``AutoModelForCausalLM.from_pretrained(out)`` loads, in ``dtype``."""
+    ``out`` that ``AutoModelForCausalLM.from_pretrained(out)`` loads, in ``dtype``.
+
+    A LoRA fine-tuning run is written as peft's adapter folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``, only the trained weights), or with ``merge`` as the base
+    model with ``W + scaling * B @ A`` folded in."""
     import torch.distributed.checkpoint as dcp
 
     from autopar.codegen import load_artifact
@@ -52,7 +56,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PlanError(f"{out} already exists; pass a new folder (nothing is overwritten)")
-    manifest, _ = load_artifact(directory)
+    manifest, plan = load_artifact(directory)
     source = manifest["model"]
     if source.get("kind") != "hf_config":
         raise PlanError(f"{directory} trains a {source.get('kind')} model, not a Hugging Face "
@@ -61,8 +65,21 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     if ckpt is None:
         raise PlanError(f"no complete checkpoint in {Path(directory) / 'checkpoints'}; train "
                         f"first (autopar run {directory} --steps N saves one at the end)")
-    model = build_from_source(source, 0, "meta")
-    shapes, _, _ = model_tensors(model)
+    model = build_from_source(source, 0, "meta")  # the base model: what is written
+    peft = None
+    if plan.peft:
+        from autopar.peft import apply_peft, parse_peft
+
+        peft = parse_peft(plan.peft)
+        if peft.method != "lora":
+            raise PlanError(f"exporting a {peft.method} fine-tuning run is not in autopar yet "
+                            f"(LoRA runs export); resume it with autopar run instead")
+        adapted = build_from_source(source, 0, "meta")
+        apply_peft(adapted, peft)
+    elif merge:
+        raise PlanError(f"--merge folds LoRA adapters into the base weights, but {directory} "
+                        f"trains no adapters; drop --merge")
+    shapes, _, _ = model_tensors(adapted if peft else model)
     stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     for name, shape in shapes.items():
         meta = stored.get(f"model.{name}")
@@ -70,6 +87,10 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
             raise PlanError(f"checkpoint {ckpt} is not of this artifact's model ({name} is "
                             f"{'missing' if meta is None else list(meta.size)}); export the "
                             f"directory it was trained in")
+    if peft and not merge:
+        return _export_adapter(adapted, peft, ckpt, stored, source, out, dtype)
+    lora = {n: m for n, m in adapted.named_modules() if hasattr(m, "lora_A")} if peft else {}
+    shapes, _, _ = model_tensors(model)
     pieces = save_pieces(model)
     target = DTYPES[dtype]
     shards = _shards(shapes, target.itemsize, max_shard_bytes)
@@ -81,14 +102,20 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     try:
         weight_map, written, total = {}, 0, 0
         for group, file in zip(shards, names, strict=True):
-            state = {f"model.{n}": torch.empty(shapes[n], dtype=stored[f"model.{n}"]
-                                               .properties.dtype) for n in group}
-            with warnings.catch_warnings():  # "assuming ... a single process": it is one
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+            wanted = list(group)
+            for n in group:  # --merge: each adapted weight with its two factors
+                module = n.rpartition(".")[0]
+                if n.endswith(".weight") and module in lora:
+                    wanted += [f"{module}.lora_A", f"{module}.lora_B"]
+            state = _read(ckpt, stored, wanted)
             tensors = {}
             for n in group:
-                whole = state.pop(f"model.{n}").to(target)
+                whole = state.pop(f"model.{n}")
+                module = n.rpartition(".")[0]
+                if n.endswith(".weight") and module in lora:
+                    a, b = state.pop(f"model.{module}.lora_A"), state.pop(f"model.{module}.lora_B")
+                    whole = whole + lora[module].scaling * (b @ a)
+                whole = whole.to(target)
                 for piece in pieces[n]:
                     tensors[piece.key] = _box(whole, piece)
             _save(tensors, partial / file)
@@ -108,6 +135,52 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return ExportReport(out, step, written, len(names), total)
+
+
+def _read(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors of a distributed checkpoint, whole (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"model.{n}": torch.empty(tuple(stored[f"model.{n}"].size),
+                                       dtype=stored[f"model.{n}"].properties.dtype)
+             for n in names}
+    with warnings.catch_warnings():  # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return state
+
+
+def _export_adapter(adapted, peft, ckpt: Path, stored: dict, source: dict, out: Path,
+                    dtype: str) -> ExportReport:
+    """peft's adapter folder: the LoRA factors under peft's names, and its config."""
+    names = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    state = _read(ckpt, stored, names)
+    # peft names a factor base_model.model.<module>.lora_A.weight
+    tensors = {f"base_model.model.{n}.weight": state[f"model.{n}"].to(DTYPES[dtype])
+               .contiguous() for n in names}
+    targets = sorted({n.rpartition(".")[0].rpartition(".")[2] for n in names})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft.r,
+              "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
+              "target_modules": peft.target_modules if isinstance(peft.target_modules, str)
+              else targets, "use_rslora": peft.use_rslora, "bias": "none",
+              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None,
+              "base_model_name_or_path": source["config"].get("_name_or_path") or None}
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        _save(tensors, partial / "adapter_model.safetensors")
+        (partial / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        step = json.loads((ckpt / "meta.json").read_text())["step"]
+        if out.exists():
+            out.rmdir()
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return ExportReport(out, step, len(tensors), 1, nbytes)
 
 
 def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> list[list[str]]:

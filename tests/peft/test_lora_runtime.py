@@ -68,3 +68,43 @@ def test_lora_sharded_equals_one_process(graph, hf_folder, single, case: str) ->
                           init_from=str(hf_folder("tiny-llama")))
     assert losses == pytest.approx(reference, rel=1e-4)
     assert losses[-1] < losses[0]  # it learns
+
+
+def _final_logits(trainer) -> dict:
+    import torch
+
+    ids = torch.randint(0, trainer.vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    return {"logits": trainer.logits(ids).numpy().copy(), "ids": ids.numpy().copy()}
+
+
+def test_adapters_round_trip_through_peft(graph, hf_folder, tmp_path) -> None:
+    """LoRA trained under tp2, exported as peft's adapter folder, loads into peft on the
+    unsharded Hugging Face model with the same logits; --merge folds it into the weights."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ..cli.test_inspect import run_cli
+
+    art = tmp_path / "art"
+    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", str(SEQ), "--task",
+                   "finetune", "--peft", LORA, "--cluster", "cpu", "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    plan = _plan(graph, 2, **CASES["tp2"])
+    *_, final = run_ranks(describe_source("tiny-llama"), plan, 3,
+                          checkpoint_dir=str(art / "checkpoints"),
+                          init_from=str(hf_folder("tiny-llama")), probe=_final_logits)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert run_cli("export", str(art), "--to", "hf", str(adapter)).returncode == 0
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                         "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(hf_folder("tiny-llama"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter)
+    ids = torch.from_numpy(final["ids"])
+    with torch.no_grad():
+        np.testing.assert_allclose(model(ids).logits.numpy(), final["logits"], atol=1e-5)
+    result = run_cli("export", str(art), "--to", "hf", str(merged), "--merge")
+    assert result.returncode == 0, result.stderr
+    folded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(folded(ids).logits.numpy(), final["logits"], atol=1e-5)
