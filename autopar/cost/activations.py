@@ -67,17 +67,22 @@ def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
 _GRAD_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def requires_grad(graph: Graph) -> set[str]:
-    """Ops whose outputs depend on a trainable parameter (so autograd records them)."""
-    if graph in _GRAD_OPS:
-        return _GRAD_OPS[graph]
+def requires_grad(graph: Graph, frozen_count: bool = True) -> set[str]:
+    """Ops whose outputs depend on a trainable parameter (so autograd records them). With
+    ``frozen_count=False`` every parameter counts as trainable: the values that carry
+    activations of the model's own computation, whatever a fine-tuning method froze."""
+    key = (graph, frozen_count)
+    memo = _GRAD_OPS.setdefault(graph, {})
+    if key[1] in memo:
+        return memo[key[1]]
     out: set[str] = set()
     for op in graph.ops:
-        if any(graph.params.get(p) is not None and graph.params[p].trainable for p in op.params):
+        if any(graph.params.get(p) is not None and (graph.params[p].trainable or
+                                                     not frozen_count) for p in op.params):
             out.add(op.name)
         elif any(src in out for src in op.inputs):
             out.add(op.name)
-    _GRAD_OPS[graph] = out
+    memo[frozen_count] = out
     return out
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.peft.adapter import ADAPTER_PARAMS, AdapterLinear  # noqa: E402
 from autopar.peft.config import METHODS, PeftConfig, parse_peft
 from autopar.peft.lora import LoraLinear, apply_lora
 
 # parameters a method adds to the model (absent from the base model's checkpoint)
-ADDED_PARAMS = ("lora_A", "lora_B")
+ADDED_PARAMS = ("lora_A", "lora_B", *ADAPTER_PARAMS)
 
 
 def apply_peft(model: nn.Module, config: PeftConfig | dict | str) -> list[str]:
@@ -26,8 +27,13 @@ def apply_peft(model: nn.Module, config: PeftConfig | dict | str) -> list[str]:
         from autopar.peft.bitfit import apply_bitfit
 
         apply_bitfit(model, config)
+    elif config.method in ("adapter", "low_rank_adapter"):
+        from autopar.peft.adapter import apply_adapter
+
+        apply_adapter(model, config, low_rank=config.method == "low_rank_adapter")
     else:
-        raise PlanError(f"the {config.method} method is not in autopar yet; use lora or bitfit")
+        raise PlanError(f"the {config.method} method is not in autopar yet; use lora, bitfit, "
+                        f"adapter or low_rank_adapter")
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -36,4 +42,5 @@ def is_added_param(fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] in ADDED_PARAMS
 
 
-__all__ = ["METHODS", "LoraLinear", "PeftConfig", "apply_peft", "is_added_param", "parse_peft"]
+__all__ = ["METHODS", "AdapterLinear", "LoraLinear", "PeftConfig", "apply_peft",
+           "is_added_param", "parse_peft"]

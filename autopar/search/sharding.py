@@ -83,9 +83,12 @@ def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = No
                 ) -> list[str]:
     op = graph.op(name)
     if op.kind is OpKind.LINEAR and op.params and any(is_added_param(p) for p in op.params):
+        leaf = op.params[0].rpartition(".")[2]
+        if leaf not in ("lora_A", "lora_B"):
+            return ["R"]  # an adapter's bottleneck: whole on every rank
         # a LoRA factor: laid out with its base linear (solve_block ties them): B split with a
         # column base's outputs, A with a row base's inputs
-        return ["R", "W" if op.params[0].endswith("lora_A") else "C"]
+        return ["R", "W" if leaf == "lora_A" else "C"]
     if op.kind is OpKind.LINEAR and op.params and kv and name in kv:
         return ["R", "G"]  # replicated, or its rank's kv head (G)
     if op.kind is OpKind.LINEAR and op.params and any(tied(graph, p) for p in op.params):
@@ -167,7 +170,9 @@ def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: s
 def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16",
                 time_limit_s: float = 5.0) -> ShardingSolution:
     """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT)."""
-    grad = requires_grad(graph)
+    # the model's own activations (a frozen layer's too): the runtime slices none of them
+    # for free; only inputs such as masks and rotary tables are sliced without cost
+    grad = requires_grad(graph, frozen_count=False)
     members = set(block.nodes)
     config = ParallelConfig(tp=tp)
     model = cp_model.CpModel()
@@ -210,9 +215,12 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                 # a split value flows only into ops that take split input
                 for v in out_split(src):
                     model.Add(sum(takes_split) >= v) if takes_split else model.Add(v == 0)
-            # a split consumer of a replicated value: free only when it carries no gradient
-            if src in grad or (inside and src in grad):
-                for t in takes_split:
+            # a split consumer of a replicated value: free only when it carries no gradient,
+            # and never for a row-parallel linear (its runtime style takes an input that is
+            # already split: frozen layers of a fine-tuned model carry no gradient)
+            row_input = op.kind is OpKind.LINEAR and (name, "W") in x and i == 0
+            if src in grad or row_input:
+                for t in (takes_split if src in grad else [x[name, "W"]]):
                     if inside:
                         model.Add(src_split >= t)
                     else:
@@ -263,7 +271,7 @@ def _adapter_ties(graph: Graph, block: Block) -> list[tuple[str, str, str]]:
         op = graph.op(name)
         if op.kind is OpKind.LINEAR and op.params and is_added_param(op.params[0]):
             module, _, leaf = op.params[0].rpartition(".")
-            if module in by_weight:
+            if module in by_weight and leaf in ("lora_A", "lora_B"):
                 ties.append((name, by_weight[module], "W" if leaf == "lora_A" else "C"))
     return ties
 

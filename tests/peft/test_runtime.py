@@ -23,14 +23,14 @@ def graph():
     return autopar.capture("tiny-llama", seq=SEQ, peft=LORA)
 
 
-def _plan(graph, devices: int, **pins):
+def _plan(graph, devices: int, peft: str = LORA, **pins):
     pins = dict(dict(pp=1, tp=1, dp=1, precision="fp32"), **pins)
     if pins["tp"] > 1:
         pins["sequence_parallel"] = False
     plan = autopar.plan(graph, devices=devices, global_batch=BATCH, task="finetune",
                         constraints=pins)
     if pins["tp"] > 1:
-        plan = with_full_size_layout(plan, "tiny-llama", peft=LORA)
+        plan = with_full_size_layout(plan, "tiny-llama", peft=peft)
     return plan
 
 
@@ -108,3 +108,30 @@ def test_adapters_round_trip_through_peft(graph, hf_folder, tmp_path) -> None:
     folded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     with torch.no_grad():
         np.testing.assert_allclose(folded(ids).logits.numpy(), final["logits"], atol=1e-5)
+
+
+# the other methods that change the model: a bottleneck after attention and MLP (whole on
+# every rank, reading the row-parallel projections' reduced outputs), its low-rank form, and
+# BitFit's biases (split with a column-parallel linear)
+OTHER_METHODS = {"adapter": ("method=adapter,adapter_size=16", ["tp2", "pp2"]),
+                 "low_rank_adapter": ("method=low_rank_adapter,adapter_size=16,low_rank_rank=2",
+                                      ["tp2"]),
+                 "bitfit": ("bitfit", ["tp2"])}
+
+
+@pytest.mark.parametrize("method,case", [(m, c) for m, (_, cases) in OTHER_METHODS.items()
+                                         for c in cases])
+def test_other_methods_sharded_equal_one_process(hf_folder, method: str, case: str) -> None:
+    peft = OTHER_METHODS[method][0]
+    graph = autopar.capture("tiny-llama", seq=SEQ, peft=peft)
+    source, folder = describe_source("tiny-llama"), str(hf_folder("tiny-llama"))
+    one = _plan(graph, 1, peft=peft, microbatch_size=2, num_microbatches=2)
+    reference, _ = run_ranks(source, one, STEPS, init_from=folder)
+    *_, reference_grads = run_ranks(source, one, 1, init_from=folder, first_grads=True)
+    plan = _plan(graph, 2, peft=peft, **CASES[case])
+    losses, _ = run_ranks(source, plan, STEPS, init_from=folder)
+    *_, grads = run_ranks(source, plan, 1, init_from=folder, first_grads=True)
+    assert losses == pytest.approx(reference, rel=1e-4) and losses[-1] < losses[0]
+    assert grads.keys() == reference_grads.keys() and grads
+    for name, ref in reference_grads.items():
+        assert np.linalg.norm(grads[name] - ref) <= 1e-4 * max(np.linalg.norm(ref), 1e-8), name
