@@ -37,10 +37,9 @@ def _plan(graph, devices: int, peft: str = LORA, **pins):
 @pytest.fixture(scope="module")
 def single(graph, hf_folder):
     plan = _plan(graph, 1, microbatch_size=2, num_microbatches=2)
-    losses, _ = run_ranks(describe_source("tiny-llama"), plan, STEPS,
-                          init_from=str(hf_folder("tiny-llama")))
-    *_, grads = run_ranks(describe_source("tiny-llama"), plan, 1,
-                          init_from=str(hf_folder("tiny-llama")), first_grads=True)
+    # one run: every step's loss, and the gradients the first optimizer step sees
+    losses, _, grads = run_ranks(describe_source("tiny-llama"), plan, STEPS,
+                                 init_from=str(hf_folder("tiny-llama")), first_grads=True)
     return losses, grads
 
 
@@ -57,15 +56,13 @@ def test_lora_sharded_equals_one_process(graph, hf_folder, single, case: str) ->
         params = plan.placements["params"]
         assert params["model.layers.1.self_attn.q_proj.lora_B"].startswith("Shard(0)@tp")
         assert params["model.layers.1.mlp.down_proj.lora_A"].startswith("Shard(1)@tp")
-    losses, _, grads = run_ranks(describe_source("tiny-llama"), plan, 1,
+    losses, _, grads = run_ranks(describe_source("tiny-llama"), plan, STEPS,
                                  init_from=str(hf_folder("tiny-llama")), first_grads=True)
     # only the adapters train: the base model's weights have no gradients
     assert grads.keys() == reference_grads.keys()
     assert grads and all(".lora_" in name for name in grads)
     for name, ref in reference_grads.items():
         assert np.linalg.norm(grads[name] - ref) <= 1e-4 * max(np.linalg.norm(ref), 1e-8), name
-    losses, _ = run_ranks(describe_source("tiny-llama"), plan, STEPS,
-                          init_from=str(hf_folder("tiny-llama")))
     assert losses == pytest.approx(reference, rel=1e-4)
     assert losses[-1] < losses[0]  # it learns
 
@@ -113,6 +110,7 @@ def test_adapters_round_trip_through_peft(graph, hf_folder, tmp_path) -> None:
 # the other methods that change the model: a bottleneck after attention and MLP (whole on
 # every rank, reading the row-parallel projections' reduced outputs), its low-rank form, and
 # BitFit's biases (split with a column-parallel linear)
+_REFERENCES: dict[str, tuple] = {}
 OTHER_METHODS = {"adapter": ("method=adapter,adapter_size=16", ["tp2", "pp2"]),
                  "low_rank_adapter": ("method=low_rank_adapter,adapter_size=16,low_rank_rank=2",
                                       ["tp2"]),
@@ -125,12 +123,13 @@ def test_other_methods_sharded_equal_one_process(hf_folder, method: str, case: s
     peft = OTHER_METHODS[method][0]
     graph = autopar.capture("tiny-llama", seq=SEQ, peft=peft)
     source, folder = describe_source("tiny-llama"), str(hf_folder("tiny-llama"))
-    one = _plan(graph, 1, peft=peft, microbatch_size=2, num_microbatches=2)
-    reference, _ = run_ranks(source, one, STEPS, init_from=folder)
-    *_, reference_grads = run_ranks(source, one, 1, init_from=folder, first_grads=True)
+    if method not in _REFERENCES:  # one process, once per method
+        one = _plan(graph, 1, peft=peft, microbatch_size=2, num_microbatches=2)
+        _REFERENCES[method] = run_ranks(source, one, STEPS, init_from=folder,
+                                        first_grads=True)
+    reference, _, reference_grads = _REFERENCES[method]
     plan = _plan(graph, 2, peft=peft, **CASES[case])
-    losses, _ = run_ranks(source, plan, STEPS, init_from=folder)
-    *_, grads = run_ranks(source, plan, 1, init_from=folder, first_grads=True)
+    losses, _, grads = run_ranks(source, plan, STEPS, init_from=folder, first_grads=True)
     assert losses == pytest.approx(reference, rel=1e-4) and losses[-1] < losses[0]
     assert grads.keys() == reference_grads.keys() and grads
     for name, ref in reference_grads.items():
