@@ -9,12 +9,12 @@ from __future__ import annotations
 from torch import nn
 
 from autopar.errors import PlanError
-from autopar.peft.adapter import ADAPTER_PARAMS, AdapterLinear  # noqa: E402
+from autopar.peft.adapter import ADAPTER_PARAMS, AdapterLinear
 from autopar.peft.config import METHODS, PeftConfig, parse_peft
-from autopar.peft.lora import LoraLinear, apply_lora
+from autopar.peft.lora import LORA_PARAMS, LoraLinear, apply_lora
 
 # parameters a method adds to the model (absent from the base model's checkpoint)
-ADDED_PARAMS = ("lora_A", "lora_B", *ADAPTER_PARAMS)
+ADDED_PARAMS = (*LORA_PARAMS, *ADAPTER_PARAMS)
 
 
 def apply_peft(model: nn.Module, config: PeftConfig | dict | str) -> list[str]:

@@ -19,7 +19,7 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.peft.config import PeftConfig
 
-ADAPTER_PARAMS = ("lora_A", "lora_B")
+LORA_PARAMS = ("lora_A", "lora_B")
 
 
 class LoraLinear(nn.Linear):
