@@ -36,11 +36,19 @@ def data_group() -> None:
               help="The field holding the document in .jsonl inputs.")
 @click.option("--eos/--no-eos", default=True, show_default=True,
               help="End every document with the tokenizer's end-of-document token.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="Summary format.")
+@click.option("--format", "kind", type=click.Choice(["text", "instruction"]), default="text",
+              show_default=True,
+              help="text: documents (plain text or --text-key of JSON lines); instruction: "
+                   "prompt/response JSON lines, tokenized with --tokenizer (the model's "
+                   "Hugging Face folder), packed to --seq, loss on responses only.")
+@click.option("--seq", type=click.IntRange(min=1), default=None,
+              help="--format instruction: the plan's tokens per sequence (rows are packed "
+                   "to it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, vocab_size: int,
-                text_key: str, eos: bool, fmt: str, quiet: bool) -> None:
+                text_key: str, eos: bool, kind: str, seq: int | None, as_json: bool,
+                quiet: bool) -> None:
     """Tokenize INPUT files into the token dataset PREFIX.bin / PREFIX.idx.
 
     A .jsonl (or .ndjson) input holds one JSON object per line, the document in its
@@ -52,13 +60,18 @@ def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, voc
       autopar data prepare corpus.txt --out data/corpus            # trains a 4096-id BPE
       autopar data prepare a.jsonl b.jsonl.gz --out data/web --text-key content
       autopar data prepare wiki.txt --out data/wiki --tokenizer ./llama/tokenizer.json
+      autopar data prepare pairs.jsonl --format instruction --tokenizer ./Llama-3.2-1B \
+          --seq 2048 --out data/sft
     """
+    if kind == "instruction":
+        _prepare_instruction(list(inputs), out, tokenizer, seq, as_json, quiet)
+        return
     from autopar.data.prepare import prepare
 
     with progress(f"tokenizing {len(inputs)} file(s) into {out}", quiet):
         stats = prepare(list(inputs), out, tokenizer=str(tokenizer) if tokenizer else None,
                         vocab_size=vocab_size, text_key=text_key, append_eos=eos)
-    if fmt == "json":
+    if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
     how = "trained here" if stats["tokenizer_trained"] else "given"
@@ -66,4 +79,24 @@ def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, voc
                f"{stats['tokens']:,} tokens ({stats['dtype']})")
     click.echo(f"tokenizer: {stats['tokenizer']} ({how}), vocab {stats['vocab_size']:,}")
     click.echo(f"took {stats['seconds']:.2f} s ({stats['tokens_per_s'] or 0:,} tokens/s)")
+    click.echo(f"train on it: autopar run DIR --data {stats['prefix']}")
+
+
+def _prepare_instruction(inputs: list[Path], out: Path, tokenizer: Path | None,
+                         seq: int | None, as_json: bool, quiet: bool) -> None:
+    from autopar.data.instruction import prepare_instruction
+    from autopar.errors import PlanError
+
+    if tokenizer is None or seq is None:
+        raise PlanError("--format instruction needs --tokenizer (the model's Hugging Face "
+                        "folder) and --seq (the plan's tokens per sequence)")
+    with progress(f"tokenizing instruction pairs into {out}", quiet):
+        stats = prepare_instruction(inputs, out, tokenizer, seq)
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    click.echo(f"wrote {stats['bin']}, {stats['idx']} and {stats['mask']}: {stats['pairs']:,} "
+               f"pairs in {stats['rows']:,} rows of {seq} + 1 tokens, "
+               f"{stats['trained_tokens']:,} of {stats['tokens']:,} tokens trained"
+               + (f" ({stats['cut']} pairs cut at a row's end)" if stats["cut"] else ""))
     click.echo(f"train on it: autopar run DIR --data {stats['prefix']}")

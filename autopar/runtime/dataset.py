@@ -41,6 +41,7 @@ reads only those windows from disk.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -231,6 +232,19 @@ class TokenDataset:
                             f"({ntok * self.dtype.itemsize} bytes); the .bin is truncated or "
                             f"from another run: {_PREPARE_HINT}")
         self._num_tokens = ntok
+        # instruction data (autopar.data.instruction): a loss mask per token, and the
+        # sequence length its rows were packed to
+        mask_path, meta_path = Path(f"{self.prefix}.mask"), Path(f"{self.prefix}.meta.json")
+        self.mask: np.ndarray | None = None
+        self.packed_seq: int | None = None
+        if mask_path.is_file():
+            if mask_path.stat().st_size != ntok:
+                raise PlanError(f"{mask_path} has {mask_path.stat().st_size} bytes for {ntok} "
+                                f"tokens; {_PREPARE_HINT}")
+            self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(ntok,)) \
+                if ntok else np.zeros(0, dtype=np.uint8)
+            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+            self.packed_seq = meta.get("seq")
         # numpy cannot map an empty file; an empty corpus is refused by rows() anyway
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(ntok,))
                        if ntok else np.zeros(0, dtype=self.dtype))
@@ -277,20 +291,39 @@ class TokenDataset:
 
         Reads only those rows' windows; see the module docstring for the sampling.
         """
+        width = seq + 1
+        out = np.empty((count, width), dtype=np.int64)
+        for r, w in enumerate(self._windows(step, global_batch, seq, seed, start, count)):
+            out[r] = self.tokens[w * width:(w + 1) * width]
+        return torch.from_numpy(out)
+
+    def loss_mask(self, step: int, global_batch: int, seq: int, seed: int, start: int,
+                  count: int) -> torch.Tensor | None:
+        """Which tokens of :meth:`rows`' rows are trained targets (bool, same shape), or
+        None for plain text (all of them)."""
+        if self.mask is None:
+            return None
+        width = seq + 1
+        out = np.empty((count, width), dtype=bool)
+        for r, w in enumerate(self._windows(step, global_batch, seq, seed, start, count)):
+            out[r] = self.mask[w * width:(w + 1) * width] != 0
+        return torch.from_numpy(out)
+
+    def _windows(self, step: int, global_batch: int, seq: int, seed: int, start: int,
+                 count: int) -> list[int]:
         _check_rows_args(step, global_batch, seq, start, count)
+        if self.packed_seq is not None and seq != self.packed_seq:
+            raise PlanError(f"token dataset {self.prefix} was packed for sequences of "
+                            f"{self.packed_seq} tokens, not {seq}; prepare it again with "
+                            f"--seq {seq}")
         n = self.num_windows(seq)
         if n == 0:
             raise PlanError(f"token dataset {self.prefix} has {self._num_tokens} tokens, fewer "
                             f"than one sequence of {seq} + 1; use a larger corpus or a "
                             f"shorter --seq")
-        width = seq + 1
-        out = np.empty((count, width), dtype=np.int64)
         first = step * global_batch + start
-        for r in range(count):
-            epoch, pos = divmod(first + r, n)
-            w = int(self._permutation(seed, epoch, n)[pos])
-            out[r] = self.tokens[w * width:(w + 1) * width]
-        return torch.from_numpy(out)
+        return [int(self._permutation(seed, epoch, n)[pos])
+                for epoch, pos in (divmod(first + r, n) for r in range(count))]
 
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.prefix)!r}: {self.num_documents} documents, "

@@ -49,8 +49,12 @@ def _logits(out: object) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+IGNORE_INDEX = -100  # a target the loss skips (cross_entropy's default ignore_index)
+
+
 def _lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a micro-batch (fp32). Logits split over the vocabulary
+    """Mean next-token cross-entropy of a micro-batch (fp32) over its targets that are not
+    ``IGNORE_INDEX`` (instruction data's prompt tokens). Logits split over the vocabulary
     (a column-parallel LM head) stay split: the loss is computed vocabulary-parallel, under
     :func:`loss_parallel` (the caller's context), as the cost model prices it."""
     logits = _logits(output)
@@ -190,12 +194,12 @@ class Trainer:
         self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
 
-    def _pipeline_step(self, mine: torch.Tensor) -> torch.Tensor:
+    def _pipeline_step(self, mine: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.pipeline import sync_tied_grads
 
         losses: list[torch.Tensor] = []
         with self._compute():
-            self.pipe.step(mine[:, :-1], target=mine[:, 1:], losses=losses)
+            self.pipe.step(mine[:, :-1], target=targets, losses=losses)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp
             from autopar.runtime.pipeline import all_reduce_replica_grads
 
@@ -215,18 +219,23 @@ class Trainer:
         start = time.perf_counter()
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
         # each data-parallel rank reads only its rows of this step's global batch
-        mine = self.data.rows(self.step_index, plan.global_batch, self.seq, self.seed,
-                              self.dp_rank * per_replica, per_replica).to(self.device)
+        window = (self.step_index, plan.global_batch, self.seq, self.seed,
+                  self.dp_rank * per_replica, per_replica)
+        mine = self.data.rows(*window).to(self.device)
+        targets = mine[:, 1:]
+        mask = getattr(self.data, "loss_mask", lambda *_: None)(*window)
+        if mask is not None:  # instruction data: only response tokens are trained targets
+            targets = targets.masked_fill(~mask[:, 1:].to(self.device), IGNORE_INDEX)
         m, b = plan.num_microbatches, plan.microbatch_size
         if self.pipe is not None:
-            total = self._pipeline_step(mine)
+            total = self._pipeline_step(mine, targets)
         else:
             total = torch.zeros((), device=self.device)
             for i in range(m):
                 chunk = mine[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with self._compute():
-                        loss = _lm_loss(self.model(chunk[:, :-1]), chunk[:, 1:])
+                        loss = _lm_loss(self.model(chunk[:, :-1]), targets[i * b:(i + 1) * b])
                     scaled = loss / m
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 total += _full(loss.detach()) / m

@@ -122,7 +122,7 @@ def test_cli(tmp_path, corpus) -> None:
     path, lines = corpus
     (tmp_path / "bad.jsonl").write_text('{"text": "a b c"}\nnot json\n')
     # both runs at once: the interpreter start (torch import) dominates
-    runs = [_cli(str(path), "--out", "ds/c", "--vocab-size", "320", "--format", "json",
+    runs = [_cli(str(path), "--out", "ds/c", "--vocab-size", "320", "--json",
                  cwd=tmp_path),
             _cli(str(path), "bad.jsonl", "--out", "bad/c", cwd=tmp_path)]
     (ok_out, ok_err), (bad_out, bad_err) = (p.communicate(timeout=120) for p in runs)

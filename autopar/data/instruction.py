@@ -1,0 +1,125 @@
+"""Instruction data: prompt/response pairs tokenized with the model's own tokenizer, packed to
+the plan's sequence length, with a loss mask so that only response tokens are trained.
+
+Each JSON line holds ``prompt`` and ``response`` (or Alpaca's ``instruction``, optional
+``input`` and ``output``). A pair becomes ``tokenizer(prompt)`` (its special tokens
+included, as the model was trained) followed by ``tokenizer(response)`` without special
+tokens and the end-of-sequence id. Pairs are packed whole, in order, into rows of exactly
+``seq + 1`` tokens (a pair longer than a row is cut at the row's end); the rest of a row is
+padding. ``PREFIX.mask`` holds one byte per token: 1 where the token is a response token
+(a target the loss counts), 0 for prompt tokens and padding. ``PREFIX.meta.json`` records
+the packing length: the windows the trainer reads are exactly the packed rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from autopar.data.prepare import _check_inputs, _lines
+from autopar.errors import PlanError
+from autopar.runtime.dataset import TokenWriter, dataset_paths, dataset_prefix
+
+MASK_SUFFIX = ".mask"
+META_SUFFIX = ".meta.json"
+
+
+def _pair(record: object, where: str, prompt_key: str, response_key: str) -> tuple[str, str]:
+    if not isinstance(record, dict):
+        raise PlanError(f"{where}: a JSON {type(record).__name__}, not an object; each line "
+                        f"must hold {prompt_key!r} and {response_key!r}")
+    if "instruction" in record and prompt_key not in record:  # Alpaca's fields
+        extra = record.get("input") or ""
+        prompt = record["instruction"] + (f"\n\n{extra}" if extra else "")
+        response = record.get("output")
+    else:
+        prompt, response = record.get(prompt_key), record.get(response_key)
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise PlanError(f"{where}: needs string fields {prompt_key!r} and {response_key!r} "
+                        f"(or instruction/output); it has {sorted(record)}")
+    return prompt, response
+
+
+def load_hf_tokenizer(path: str | os.PathLike):
+    """The model's own tokenizer from its Hugging Face folder, through transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot load a tokenizer from {path} ({' '.join(str(exc).split())[:160]}"
+                        f"); pass the model's Hugging Face folder") from None
+
+
+def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | os.PathLike,
+                        seq: int, prompt_key: str = "prompt",
+                        response_key: str = "response") -> dict:
+    """Tokenize, pack and mask instruction pairs into ``out_prefix``; returns the numbers."""
+    t0 = time.perf_counter()
+    paths = _check_inputs(list(inputs))
+    tok = load_hf_tokenizer(tokenizer)
+    eos = tok.eos_token_id
+    if eos is None:
+        raise PlanError(f"the tokenizer in {tokenizer} has no end-of-sequence token; a "
+                        f"response must end with one")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    width = seq + 1
+    prefix = dataset_prefix(out_prefix)
+    mask_path = Path(f"{prefix}{MASK_SUFFIX}")
+    meta_path = Path(f"{prefix}{META_SUFFIX}")
+    masks: list[np.ndarray] = []
+    row_ids: list[int] = []
+    row_mask: list[int] = []
+    pairs = cut = 0
+    with TokenWriter(prefix, len(tok)) as writer:
+
+        def close_row() -> None:
+            fill = width - len(row_ids)
+            writer.add_document(row_ids + [pad] * fill)
+            masks.append(np.array(row_mask + [0] * fill, dtype=np.uint8))
+            row_ids.clear()
+            row_mask.clear()
+
+        for path in paths:
+            for lineno, line in _lines(path):
+                if not line.strip():
+                    continue
+                where = f"{path.name}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise PlanError(f"{where}: not valid JSON; each line must be one object "
+                                    f"with {prompt_key!r} and {response_key!r}") from None
+                prompt, response = _pair(record, where, prompt_key, response_key)
+                ids_p = tok(prompt)["input_ids"]
+                ids_r = tok(response, add_special_tokens=False)["input_ids"] + [eos]
+                ids, mask = ids_p + ids_r, [0] * len(ids_p) + [1] * len(ids_r)
+                if len(ids) > width:
+                    ids, mask = ids[:width], mask[:width]
+                    cut += 1
+                if len(row_ids) + len(ids) > width:
+                    close_row()
+                row_ids.extend(ids)
+                row_mask.extend(mask)
+                pairs += 1
+        if row_ids:
+            close_row()
+        if pairs == 0:
+            raise PlanError(f"no instruction pairs in {', '.join(str(p) for p in paths)}")
+        mask = np.concatenate(masks)
+        tmp = mask_path.with_name(mask_path.name + f".tmp{os.getpid()}")
+        mask.tofile(tmp)
+        os.replace(tmp, mask_path)
+        meta_path.write_text(json.dumps({"format": "instruction", "seq": seq,
+                                         "pairs": pairs, "cut": cut}) + "\n")
+    bin_path, idx_path = dataset_paths(prefix)
+    seconds = time.perf_counter() - t0
+    return {"prefix": str(prefix), "bin": str(bin_path), "idx": str(idx_path),
+            "mask": str(mask_path), "pairs": pairs, "rows": len(masks), "cut": cut,
+            "tokens": int(mask.size), "trained_tokens": int(mask.sum()), "seq": seq,
+            "vocab_size": len(tok), "tokenizer": str(tokenizer),
+            "seconds": round(seconds, 3)}

@@ -1,0 +1,109 @@
+"""Instruction data: the model's own tokenizer's ids, packed rows, and a loss that counts
+response tokens only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.nn.functional as F
+
+import autopar
+from autopar.data.instruction import prepare_instruction
+from autopar.runtime.dataset import TokenDataset
+from autopar.runtime.source import describe_source
+
+from ..cli.test_inspect import _assert_one_line_error, run_cli
+
+SEQ = 32
+PAIRS = [{"prompt": f"what is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
+         for a in range(6) for b in range(5)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory):
+    """A small BPE trained on the pairs' text, saved with save_pretrained (BOS added)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [p["prompt"] for p in PAIRS] + [p["response"] for p in PAIRS]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    folder = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dataset(tokenizer_folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    stats = prepare_instruction([root / "pairs.jsonl"], root / "sft", tokenizer_folder, SEQ)
+    return root / "sft", stats
+
+
+def test_ids_are_the_tokenizers_own_and_only_responses_are_targets(tokenizer_folder,
+                                                                    dataset) -> None:
+    from transformers import AutoTokenizer
+
+    prefix, stats = dataset
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    ds = TokenDataset(prefix)
+    assert stats["pairs"] == len(PAIRS) and ds.num_documents == stats["rows"]
+    assert ds.num_tokens == stats["rows"] * (SEQ + 1)
+    row, mask = ds.document(0), ds.mask[:SEQ + 1]
+    at = 0
+    for pair in PAIRS:  # the first row holds the first pairs, whole and in order
+        prompt = tok(pair["prompt"])["input_ids"]
+        response = tok(pair["response"], add_special_tokens=False)["input_ids"] + \
+            [tok.eos_token_id]
+        if at + len(prompt) + len(response) > SEQ + 1:
+            break
+        assert prompt[0] == tok.bos_token_id
+        assert list(row[at:at + len(prompt)]) == prompt
+        assert list(row[at + len(prompt):at + len(prompt) + len(response)]) == response
+        assert not mask[at:at + len(prompt)].any() and mask[at + len(prompt):
+                                                            at + len(prompt) + len(response)].all()
+        at += len(prompt) + len(response)
+    assert at > 0 and not mask[at:].any()  # padding is no target either
+    with pytest.raises(autopar.PlanError, match=f"packed for sequences of {SEQ} tokens"):
+        ds.rows(0, 2, SEQ * 2, 0, 0, 2)
+
+
+def test_the_loss_ignores_prompt_tokens(dataset) -> None:
+    from autopar.codegen.program import generated_program
+    from autopar.runtime import Trainer
+
+    prefix, _ = dataset
+    plan = autopar.plan(autopar.capture("tiny-llama", seq=SEQ), devices=1, global_batch=2,
+                        cluster="cpu", constraints=dict(microbatch_size=2, num_microbatches=1,
+                                                        precision="fp32"))
+    source = describe_source("tiny-llama")
+    trainer = Trainer(source, plan, program=generated_program(plan, source),
+                      data=str(prefix))
+    ds = TokenDataset(prefix)
+    rows, mask = ds.rows(0, 2, SEQ, 0, 0, 2), ds.loss_mask(0, 2, SEQ, 0, 0, 2)
+    logits = trainer.logits(rows[:, :-1]).flatten(0, 1)
+    targets = rows[:, 1:]
+    masked = F.cross_entropy(logits, targets.masked_fill(~mask[:, 1:], -100).flatten())
+    everything = F.cross_entropy(logits, targets.flatten())
+    loss = trainer.train_step()
+    assert loss == pytest.approx(float(masked), rel=1e-5)
+    assert abs(float(masked) - float(everything)) > 1e-3  # the mask changed the loss
+
+
+def test_bad_instruction_inputs_exit_2(tokenizer_folder, tmp_path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
+    _assert_one_line_error(run_cli("data", "prepare", str(pairs), "--format", "instruction",
+                                   "--out", str(tmp_path / "a")), "--tokenizer", "--seq")
+    _assert_one_line_error(run_cli("data", "prepare", str(pairs), "--format", "instruction",
+                                   "--tokenizer", str(tokenizer_folder), "--seq", "32",
+                                   "--out", str(tmp_path / "b")), "pairs.jsonl:2", "prompt")
+    assert not list(tmp_path.glob("b*"))
