@@ -71,10 +71,9 @@ def requires_grad(graph: Graph, frozen_count: bool = True) -> set[str]:
     """Ops whose outputs depend on a trainable parameter (so autograd records them). With
     ``frozen_count=False`` every parameter counts as trainable: the values that carry
     activations of the model's own computation, whatever a fine-tuning method froze."""
-    key = (graph, frozen_count)
     memo = _GRAD_OPS.setdefault(graph, {})
-    if key[1] in memo:
-        return memo[key[1]]
+    if frozen_count in memo:
+        return memo[frozen_count]
     out: set[str] = set()
     for op in graph.ops:
         if any(graph.params.get(p) is not None and (graph.params[p].trainable or

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.peft.config import PeftConfig
-from autopar.peft.lora import target_names
+from autopar.peft.lora import adopt, target_names
 
 ADAPTER_PARAMS = ("adapter_down", "adapter_up", "adapter_down_bias", "adapter_up_bias",
                   "adapter_down_a", "adapter_down_b", "adapter_up_a", "adapter_up_b")
@@ -39,8 +39,7 @@ class AdapterLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, base: nn.Linear, size: int, low_rank: int = 0) -> AdapterLinear:
-        base.__class__ = cls
-        module: AdapterLinear = base  # type: ignore[assignment]
+        module: AdapterLinear = adopt(base, cls)  # type: ignore[assignment]
         module.low_rank = low_rank
         out, device, dtype = module.out_features, module.weight.device, module.weight.dtype
 
@@ -53,9 +52,6 @@ class AdapterLinear(nn.Linear):
         else:
             module.adapter_down, module.adapter_up = new(size, out), new(out, size)
         module.adapter_down_bias, module.adapter_up_bias = new(size), new(out)
-        module.weight.requires_grad_(False)
-        if module.bias is not None:
-            module.bias.requires_grad_(False)
         if device.type != "meta":
             module.reset_adapter()
         return module

@@ -22,6 +22,22 @@ from autopar.peft.config import PeftConfig
 LORA_PARAMS = ("lora_A", "lora_B")
 
 
+def adopt(base: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
+    """``base`` itself as ``cls`` (a subclass adding trainable parts), its own weight and
+    bias frozen and kept under their names."""
+    base.__class__ = cls
+    base.weight.requires_grad_(False)
+    if base.bias is not None:
+        base.bias.requires_grad_(False)
+    return base
+
+
+def merged(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+           scaling: float) -> torch.Tensor:
+    """A weight with its LoRA update folded in: ``W + scaling * B @ A``."""
+    return weight + scaling * (lora_B @ lora_A)
+
+
 class LoraLinear(nn.Linear):
     """An nn.Linear with a LoRA update; build it with :meth:`wrap`."""
 
@@ -31,8 +47,7 @@ class LoraLinear(nn.Linear):
     @classmethod
     def wrap(cls, base: nn.Linear, r: int, scaling: float, dropout: float) -> LoraLinear:
         """``base`` itself, turned into a LoraLinear (its parameters kept, frozen)."""
-        base.__class__ = cls
-        module: LoraLinear = base  # type: ignore[assignment]
+        module: LoraLinear = adopt(base, cls)  # type: ignore[assignment]
         module.r, module.scaling = r, scaling
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         device, dtype = module.weight.device, module.weight.dtype
@@ -40,9 +55,6 @@ class LoraLinear(nn.Linear):
                                                  dtype=dtype))
         module.lora_B = nn.Parameter(torch.empty(module.out_features, r, device=device,
                                                  dtype=dtype))
-        module.weight.requires_grad_(False)
-        if module.bias is not None:
-            module.bias.requires_grad_(False)
         if device.type != "meta":
             module.reset_lora()
         return module
@@ -60,10 +72,6 @@ class LoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
         return F.linear(x, self.weight, self.bias) + update * self.scaling
-
-    def merged_weight(self) -> torch.Tensor:
-        """The base weight with the update folded in: ``W + scaling * B @ A``."""
-        return self.weight + self.scaling * (self.lora_B @ self.lora_A)
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:

@@ -27,7 +27,7 @@ def recompute_modes(schedule: str, engine: str = "autopar") -> tuple[str, ...]:
 
 def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
-                            moe: bool, schedule: str = "1f1b",
+                            schedule: str = "1f1b",
                             recompute: frozenset[str] = frozenset(),
                             num_microbatches: int = 0, kv_replicated: bool = False
                             ) -> str | None:
@@ -80,12 +80,12 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     return None
 
 
-def unsupported(config: ParallelConfig, moe: bool = False) -> str | None:
+def unsupported(config: ParallelConfig) -> str | None:
     """:func:`unsupported_combination` for a cost-model configuration (the search's view)."""
     return unsupported_combination(
         engine=config.engine, dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep,
         zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
-        offload=frozenset(config.offload), moe=moe, schedule=config.schedule,
+        offload=frozenset(config.offload), schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         kv_replicated=config.tp_layouts is not None and any(
             layout.kv for _, layout in config.tp_layouts.by_type),
@@ -100,7 +100,6 @@ def plan_unsupported(plan: Plan) -> str | None:
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
         offload=frozenset(plan.offload),
-        moe=any(b.get("kind") == "moe" for b in plan.model.get("blocks", ())),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
         num_microbatches=plan.num_microbatches,
         kv_replicated=any("(kv-heads)" in v for v in plan.placements.get("params", {}).values()))

@@ -10,16 +10,19 @@ with their index, plus ``config.json``. The folder appears whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from autopar.errors import PlanError
+from autopar.peft.lora import merged
 from autopar.runtime.hf_layout import Piece, model_tensors, save_pieces
 from autopar.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
 
@@ -96,10 +99,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     shards = _shards(shapes, target.itemsize, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))] \
         if len(shards) > 1 else [SINGLE_FILE]
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with _atomic_folder(out) as partial:
         weight_map, written, total = {}, 0, 0
         for group, file in zip(shards, names, strict=True):
             wanted = list(group)
@@ -113,8 +113,8 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                 whole = state.pop(f"model.{n}")
                 module = n.rpartition(".")[0]
                 if n.endswith(".weight") and module in lora:
-                    a, b = state.pop(f"model.{module}.lora_A"), state.pop(f"model.{module}.lora_B")
-                    whole = whole + lora[module].scaling * (b @ a)
+                    whole = merged(whole, state.pop(f"model.{module}.lora_A"),
+                                   state.pop(f"model.{module}.lora_B"), lora[module].scaling)
                 whole = whole.to(target)
                 for piece in pieces[n]:
                     tensors[piece.key] = _box(whole, piece)
@@ -127,14 +127,25 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                 weight_map.items()))}
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _config(model, source["config"], dtype).save_pretrained(str(partial))
-        step = json.loads((ckpt / "meta.json").read_text())["step"]
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    return ExportReport(out, step, written, len(names), total)
+
+
+@contextlib.contextmanager
+def _atomic_folder(out: Path) -> Iterator[Path]:
+    """A folder to fill that becomes ``out`` only when the block finishes (an empty ``out``
+    the user made is replaced); on any error nothing is left."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
         if out.exists():
-            out.rmdir()  # an empty folder the user made for it
+            out.rmdir()
         os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ExportReport(out, step, written, len(names), total)
 
 
 def _read(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
@@ -166,19 +177,10 @@ def _export_adapter(adapted, peft, ckpt: Path, stored: dict, source: dict, out: 
               "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None,
               "base_model_name_or_path": source["config"].get("_name_or_path") or None}
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with _atomic_folder(out) as partial:
         _save(tensors, partial / "adapter_model.safetensors")
         (partial / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        step = json.loads((ckpt / "meta.json").read_text())["step"]
-        if out.exists():
-            out.rmdir()
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return ExportReport(out, step, len(tensors), 1, nbytes)
 

@@ -142,7 +142,7 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                 pinned = pins.get("recompute")
                 checked = config if pinned is None else replace(
                     config, recompute=pinned if isinstance(pinned, str) else tuple(pinned))
-                reason = unsupported(checked, facts.experts > 0)
+                reason = unsupported(checked)
                 if reason is not None:
                     rejected["runtime"] = rejected.get("runtime", 0) + 1
                     reasons.add(reason)

@@ -215,12 +215,9 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                 # a split value flows only into ops that take split input
                 for v in out_split(src):
                     model.Add(sum(takes_split) >= v) if takes_split else model.Add(v == 0)
-            # a split consumer of a replicated value: free only when it carries no gradient,
-            # and never for a row-parallel linear (its runtime style takes an input that is
-            # already split: frozen layers of a fine-tuned model carry no gradient)
-            row_input = op.kind is OpKind.LINEAR and (name, "W") in x and i == 0
-            if src in grad or row_input:
-                for t in (takes_split if src in grad else [x[name, "W"]]):
+            # a split consumer of a replicated value: free only when it carries no gradient
+            if src in grad or (inside and src in grad):
+                for t in takes_split:
                     if inside:
                         model.Add(src_split >= t)
                     else:

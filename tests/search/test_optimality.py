@@ -53,7 +53,6 @@ def brute_force(graph, cluster, devices: int, global_batch: int, capacity: float
 def _brute_force(graph, cluster, devices: int, global_batch: int, capacity: float,
                  pins: dict, layouts: dict, cross_node: bool) -> float:
     facts = model_facts(graph)
-    moe = facts.experts > 0
     precision = default_precision(cluster.device)
     best = float("inf")
     nblocks = len(graph.blocks)
@@ -85,14 +84,14 @@ def _brute_force(graph, cluster, devices: int, global_batch: int, capacity: floa
                             microbatch_size=mb, num_microbatches=m, schedule=schedule,
                             virtual_stages=v, offload=frozenset(offload), precision=precision,
                             tp_layouts=layouts.get(tp))
-                        if unsupported(base, moe):
+                        if unsupported(base):
                             continue
                         for stages in _partitions(nblocks, pp):
                             for modes in itertools.product(("none", "selective", "full"),
                                                            repeat=nblocks):
                                 config = ParallelConfig(**{**base.__dict__, "stages": stages,
                                                            "recompute": modes})
-                                if unsupported(config, moe):
+                                if unsupported(config):
                                     continue
                                 est = estimate(graph, cluster, config)
                                 if est.fits(capacity, cluster.node.host_memory_bytes):
