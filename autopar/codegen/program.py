@@ -190,9 +190,9 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     w.line("from autopar.runtime import program as ap")
     if "Relayout" in used:
         w.line("from autopar.runtime.tensor_parallel import Relayout")
-    if names("ColumnParallel", "KvHeadReplicated", "RowParallel"):
+    if names("ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel"):
         w.line("from autopar.runtime.tp_styles import "
-               + names("ColumnParallel", "KvHeadReplicated", "RowParallel"))
+               + names("ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel"))
     w.blank()
     if source.get("kind") == "hf_config":
         arch = (source["config"].get("architectures") or [model_name])[0]

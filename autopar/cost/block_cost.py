@@ -16,6 +16,7 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import attention_core, tp_layout, vocab_parallel
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
+from autopar.peft import is_prefix_param
 
 # Block costs depend on the block's type and a few knobs only; a search asks for the same ones
 # thousands of times. Keyed weakly by graph so a dropped graph frees its entries.
@@ -101,7 +102,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         else:
             divisor = 1.0
         if name in layout.column or name in layout.row or vocab_parallel(
-                graph, name, tp, config.vocab_parallel):
+                graph, name, tp, config.vocab_parallel) or (
+                name in layout.sharded and any(is_prefix_param(p) for p in op.params)):
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t

@@ -80,3 +80,12 @@ def max_positions(cfg: dict) -> int:
 def token_inputs(batch: int, seq: int, device: str | torch.device = "meta") -> tuple[torch.Tensor]:
     """Example ``(input_ids,)`` for a causal LM."""
     return (torch.zeros(batch, seq, dtype=torch.long, device=device),)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D (transformers.pytorch_utils), or a subclass of it (LoRA's): a linear
+    that stores its weight (in, out)."""
+    w = getattr(module, "weight", None)
+    return any(c.__name__ == "Conv1D" for c in type(module).__mro__) and \
+        hasattr(module, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2
+

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.models.hf import is_conv1d
 from autopar.peft.config import PeftConfig
 
 LORA_PARAMS = ("lora_A", "lora_B")
 
 
-def adopt(base: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
+def adopt(base: nn.Module, cls: type) -> nn.Module:
     """``base`` itself as ``cls`` (a subclass adding trainable parts), its own weight and
     bias frozen and kept under their names."""
     base.__class__ = cls
@@ -33,34 +34,39 @@ def adopt(base: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
 
 
 def merged(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
-           scaling: float) -> torch.Tensor:
-    """A weight with its LoRA update folded in: ``W + scaling * B @ A``."""
-    return weight + scaling * (lora_B @ lora_A)
+           scaling: float, conv1d: bool = False) -> torch.Tensor:
+    """A weight with its LoRA update folded in: ``W + scaling * B @ A`` (transposed for a
+    Conv1D weight, stored [in, out])."""
+    update = scaling * (lora_B @ lora_A)
+    return weight + (update.T if conv1d else update)
 
 
-class LoraLinear(nn.Linear):
-    """An nn.Linear with a LoRA update; build it with :meth:`wrap`."""
+class _Lora:
+    """LoRA beside a linear layer (nn.Linear, or GPT-2's Conv1D, which stores its weight
+    [in, out]); the factors are [r, in] and [out, r] either way. Build one with
+    :meth:`wrap`."""
 
     r: int
     scaling: float
 
     @classmethod
-    def wrap(cls, base: nn.Linear, r: int, scaling: float, dropout: float) -> LoraLinear:
-        """``base`` itself, turned into a LoraLinear (its parameters kept, frozen)."""
-        module: LoraLinear = adopt(base, cls)  # type: ignore[assignment]
+    def wrap(cls, base: nn.Module, r: int, scaling: float, dropout: float) -> nn.Module:
+        """``base`` itself, turned into this class (its parameters kept, frozen)."""
+        module = adopt(base, cls)
         module.r, module.scaling = r, scaling
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         device, dtype = module.weight.device, module.weight.dtype
-        module.lora_A = nn.Parameter(torch.empty(r, module.in_features, device=device,
-                                                 dtype=dtype))
-        module.lora_B = nn.Parameter(torch.empty(module.out_features, r, device=device,
-                                                 dtype=dtype))
+        fan_in, fan_out = linear_features(module)
+        module.lora_A = nn.Parameter(torch.empty(r, fan_in, device=device, dtype=dtype))
+        module.lora_B = nn.Parameter(torch.empty(fan_out, r, device=device, dtype=dtype))
         if device.type != "meta":
             module.reset_lora()
         return module
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
+        base = getattr(super(), "reset_parameters", None)  # Conv1D has none (HF's init rule)
+        if base is not None:
+            base()
         if hasattr(self, "lora_A"):
             self.reset_lora()
 
@@ -71,7 +77,30 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        return super().forward(x) + update * self.scaling
+
+
+class LoraLinear(_Lora, nn.Linear):
+    """An nn.Linear with a LoRA update."""
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """(input, output) features of an nn.Linear or a Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+def lora_class(module: nn.Module) -> type:
+    """LoraLinear for an nn.Linear; for a Conv1D, a LoRA subclass of its class."""
+    if not is_conv1d(module):
+        return LoraLinear
+    base = type(module)
+    return _CONV1D.setdefault(base, type("LoraConv1D", (_Lora, base), {
+        "__doc__": "GPT-2's Conv1D with a LoRA update.", "__module__": __name__}))
+
+
+_CONV1D: dict[type, type] = {}
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -95,7 +124,7 @@ def target_names(model: nn.Module, targets: tuple[str, ...] | str | None) -> lis
     head; none given: peft's default for the model type (the query and value projections)."""
     head = _output_head(model)
     linears = {name: m for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and name and m is not head}
+               if (isinstance(m, nn.Linear) or is_conv1d(m)) and name and m is not head}
     if targets is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         targets = DEFAULT_TARGETS.get(model_type, ("q_proj", "v_proj"))
@@ -118,6 +147,6 @@ def apply_lora(model: nn.Module, config: PeftConfig) -> list[str]:
     names = target_names(model, config.target_modules)
     model.requires_grad_(False)
     for name in names:
-        LoraLinear.wrap(model.get_submodule(name), config.r, config.scaling,
-                        config.lora_dropout)
+        module = model.get_submodule(name)
+        lora_class(module).wrap(module, config.r, config.scaling, config.lora_dropout)
     return names

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from autopar.errors import PlanError
+from autopar.models.hf import is_conv1d
 from autopar.peft.lora import merged
 from autopar.runtime.hf_layout import Piece, model_tensors, save_pieces
 from autopar.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
@@ -45,9 +46,11 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     """Write the latest checkpoint of the artifact ``directory`` as a Hugging Face folder
     ``out`` that ``AutoModelForCausalLM.from_pretrained(out)`` loads, in ``dtype``.
 
-    A LoRA fine-tuning run is written as peft's adapter folder (``adapter_config.json`` and
-    ``adapter_model.safetensors``, only the trained weights), or with ``merge`` as the base
-    model with ``W + scaling * B @ A`` folded in."""
+    A fine-tuning run is written as an adapter folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``, only the trained weights; peft's layout for LoRA and
+    Prefix Tuning, see :mod:`autopar.peft.saved`); a LoRA run with ``merge`` as the base
+    model with ``W + scaling * B @ A`` folded in; an R-Drop run (every weight trained) as
+    the whole model."""
     import torch.distributed.checkpoint as dcp
 
     from autopar.codegen import load_artifact
@@ -74,15 +77,17 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
         from autopar.peft import apply_peft, parse_peft
 
         peft = parse_peft(plan.peft)
-        if peft.method != "lora":
-            raise PlanError(f"exporting a {peft.method} fine-tuning run is not in autopar yet "
-                            f"(LoRA runs export); resume it with autopar run instead")
+        if merge and peft.method != "lora":
+            raise PlanError(f"--merge folds LoRA into the base weights; a {peft.method} run "
+                            f"has no LoRA to fold; drop --merge (its adapter folder is written)")
         adapted = build_from_source(source, 0, "meta")
         apply_peft(adapted, peft)
-    elif merge:
+        if peft.method == "rdrop":  # every weight trained: the whole model is the export
+            peft = None
+    if merge and not peft:
         raise PlanError(f"--merge folds LoRA adapters into the base weights, but {directory} "
                         f"trains no adapters; drop --merge")
-    shapes, _, _ = model_tensors(adapted if peft else model)
+    shapes, _, _ = model_tensors(adapted if plan.peft else model)
     stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     for name, shape in shapes.items():
         meta = stored.get(f"model.{name}")
@@ -91,7 +96,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                             f"{'missing' if meta is None else list(meta.size)}); export the "
                             f"directory it was trained in")
     if peft and not merge:
-        return _export_adapter(adapted, peft, ckpt, stored, source, out, dtype)
+        return _export_adapter(adapted, peft, ckpt, stored, out, dtype)
     lora = {n: m for n, m in adapted.named_modules() if hasattr(m, "lora_A")} if peft else {}
     shapes, _, _ = model_tensors(model)
     pieces = save_pieces(model)
@@ -114,7 +119,8 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                 module = n.rpartition(".")[0]
                 if n.endswith(".weight") and module in lora:
                     whole = merged(whole, state.pop(f"model.{module}.lora_A"),
-                                   state.pop(f"model.{module}.lora_B"), lora[module].scaling)
+                                   state.pop(f"model.{module}.lora_B"), lora[module].scaling,
+                                   is_conv1d(lora[module]))
                 whole = whole.to(target)
                 for piece in pieces[n]:
                     tensors[piece.key] = _box(whole, piece)
@@ -161,25 +167,17 @@ def _read(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]
     return state
 
 
-def _export_adapter(adapted, peft, ckpt: Path, stored: dict, source: dict, out: Path,
-                    dtype: str) -> ExportReport:
-    """peft's adapter folder: the LoRA factors under peft's names, and its config."""
+def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: str
+                    ) -> ExportReport:
+    """The run's adapter folder (:mod:`autopar.peft.saved`): only the trained weights."""
+    from autopar.peft.saved import adapter_files, save_adapter
+
     names = [n for n, p in adapted.named_parameters() if p.requires_grad]
     state = _read(ckpt, stored, names)
-    # peft names a factor base_model.model.<module>.lora_A.weight
-    tensors = {f"base_model.model.{n}.weight": state[f"model.{n}"].to(DTYPES[dtype])
-               .contiguous() for n in names}
-    targets = sorted({n.rpartition(".")[0].rpartition(".")[2] for n in names})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft.r,
-              "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-              "target_modules": peft.target_modules if isinstance(peft.target_modules, str)
-              else targets, "use_rslora": peft.use_rslora, "bias": "none",
-              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-              "modules_to_save": None,
-              "base_model_name_or_path": source["config"].get("_name_or_path") or None}
+    trained = {n: state[f"model.{n}"].to(DTYPES[dtype]) for n in names}
+    tensors, config = adapter_files(adapted, peft, trained)
     with _atomic_folder(out) as partial:
-        _save(tensors, partial / "adapter_model.safetensors")
-        (partial / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_adapter(partial, tensors, config)
     step = json.loads((ckpt / "meta.json").read_text())["step"]
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return ExportReport(out, step, len(tensors), 1, nbytes)

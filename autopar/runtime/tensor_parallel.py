@@ -31,6 +31,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.tp_styles import (
     ColumnParallel,
+    HeadSplit,
     KvHeadReplicated,
     RowParallel,
     is_conv1d,
@@ -203,10 +204,23 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
                                        for p, k in split.items()):
                 layout.heads[path] = tuple(heads)
     if plan.sequence_parallel:
-        layout.styles = _sequence_parallel_styles(model, plan, split, fused, whole_logits)
+        styles = _sequence_parallel_styles(model, plan, split, fused, whole_logits)
     else:
-        layout.styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
+        styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
+    for path in _head_split(model, plan):  # Prefix Tuning's prefixes, split by heads
+        styles[path] = "HeadSplit()"
+    layout.styles = _in_model_order(model, styles)
     return layout
+
+
+def _head_split(model: nn.Module, plan: Plan) -> list[str]:
+    """Modules whose parameters the plan splits by heads (Prefix Tuning's prefixes)."""
+    from autopar.peft import is_prefix_param
+
+    present = dict(model.named_modules())
+    return sorted({fqn.rpartition(".")[0] for fqn, placement in plan.placements["params"].items()
+                   if is_prefix_param(fqn) and "@tp" in placement
+                   and fqn.rpartition(".")[0] in present})
 
 
 def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
@@ -214,7 +228,7 @@ def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
     are the ones the generated program imports)."""
     names = {"RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
              "ColumnParallel": ColumnParallel, "RowParallel": RowParallel,
-             "KvHeadReplicated": KvHeadReplicated,
+             "KvHeadReplicated": KvHeadReplicated, "HeadSplit": HeadSplit,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
     return {path: eval(src, {"__builtins__": {}}, names)  # noqa: S307 - our own text
             for path, src in styles.items()}

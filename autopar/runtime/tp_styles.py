@@ -22,15 +22,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from autopar.errors import PlanError
+from autopar.models.hf import is_conv1d
 
 FUSED_ATTR = "_autopar_fused_rows"  # module attribute: {param name: (dim, index tensor)}
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """GPT-2's Conv1D (transformers.pytorch_utils): a linear that stores its weight (in, out)."""
-    w = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and \
-        isinstance(w, torch.Tensor) and w.dim() == 2
 
 
 def output_dim(module: nn.Module) -> int:
@@ -108,10 +102,15 @@ class RowParallel(RowwiseParallel):
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
 
-        def partition(_name, mod, mesh):
+        def partition(name, mod, mesh):
+            if name:  # a child of the linear (LoRA's dropout): nothing of its own to split
+                return
             _distribute(mod, "weight", mesh, Shard(0), self.src_data_rank)
             if getattr(mod, "bias", None) is not None:
                 _distribute(mod, "bias", mesh, Replicate(), self.src_data_rank)
+            if getattr(mod, "lora_A", None) is not None:  # LoRA: A split with the inputs
+                _distribute(mod, "lora_A", mesh, Shard(1), self.src_data_rank)
+                _distribute(mod, "lora_B", mesh, Replicate(), self.src_data_rank)
 
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
@@ -154,6 +153,16 @@ class KvHeadReplicated(ParallelStyle):
             return torch.nn.functional.linear(x, weight, bias)
 
         module.forward = forward
+        return module
+
+
+class HeadSplit(ParallelStyle):
+    """Every parameter of a module split by heads along its first dimension (a Prefix Tuning
+    prefix [kv_heads, tokens, head_dim], with the attention that reads it)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, _ in list(module.named_parameters(recurse=False)):
+            _distribute(module, name, device_mesh, Shard(0), None)
         return module
 
 

@@ -11,10 +11,10 @@ from types import ModuleType
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.runtime.apply import check_module_paths
@@ -25,6 +25,7 @@ from autopar.runtime.expert_parallel import (
 )
 from autopar.runtime.hf_weights import HFCheckpoint
 from autopar.runtime.init import InitReport, materialize
+from autopar.runtime.loss import IGNORE_INDEX, full, lm_loss, logits_of
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
@@ -41,36 +42,6 @@ def _vocab(model: nn.Module, plan: Plan) -> int:
         raise PlanError("the plan does not record the model's output shape and the model has "
                         "no config.vocab_size; re-plan it with this autopar version")
     return int(shapes[0][-1])
-
-
-def _logits(out: object) -> torch.Tensor:
-    if hasattr(out, "logits"):
-        return out.logits
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-IGNORE_INDEX = -100  # a target the loss skips (cross_entropy's default ignore_index)
-
-
-def _lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a micro-batch (fp32) over its targets that are not
-    ``IGNORE_INDEX`` (instruction data's prompt tokens). Logits split over the vocabulary
-    (a column-parallel LM head) stay split: the loss is computed vocabulary-parallel, under
-    :func:`loss_parallel` (the caller's context), as the cost model prices it."""
-    logits = _logits(output)
-    if not _vocab_split(logits):
-        logits = _full(logits)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _vocab_split(t: object) -> bool:
-    placements = getattr(t, "placements", None)
-    return bool(placements) and any(p.is_shard(t.ndim - 1) or p.is_shard(-1)
-                                    for p in placements)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class Trainer:
@@ -115,6 +86,8 @@ class Trainer:
         elif plan.peft:
             raise PlanError("the plan fine-tunes with a method but the program has no adapt(); "
                             "delete train.py to regenerate it from plan.yaml")
+        # R-Drop's model runs each batch twice; its loss reads both passes
+        self.rdrop_alpha = getattr(model, RDROP_ATTR, None)
         check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
@@ -177,8 +150,8 @@ class Trainer:
         self.tied = tied_copies(model)
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
         spec = program.PIPELINE
-        loss_fn = _lm_loss if self.scaler is None else \
-            (lambda out, target: self.scaler.scale(_lm_loss(out, target)))
+        loss_fn = self.loss if self.scaler is None else \
+            (lambda out, target: self.scaler.scale(self.loss(out, target)))
         original = model
 
         def lay_out(stage: nn.Module) -> None:
@@ -193,6 +166,11 @@ class Trainer:
                                               self.weights)
         self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
+
+    def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss (:func:`autopar.runtime.loss.lm_loss`, R-Drop's when the
+        fine-tuning method is R-Drop)."""
+        return lm_loss(output, targets, self.rdrop_alpha)
 
     def _pipeline_step(self, mine: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.pipeline import sync_tied_grads
@@ -235,10 +213,10 @@ class Trainer:
                 chunk = mine[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with self._compute():
-                        loss = _lm_loss(self.model(chunk[:, :-1]), targets[i * b:(i + 1) * b])
+                        loss = self.loss(self.model(chunk[:, :-1]), targets[i * b:(i + 1) * b])
                     scaled = loss / m
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                total += _full(loss.detach()) / m
+                total += full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
         overflow = False
@@ -275,8 +253,13 @@ class Trainer:
         it was traced for: ``num_microbatches * microbatch_size`` rows of ``seq`` tokens."""
         ids = ids.to(self.device)
         if self.pipe is None:
-            with self._compute():
-                return _full(_logits(self.model(ids))).float()
+            mode = self.model.training
+            self.model.eval()  # no dropout (nor R-Drop's second pass)
+            try:
+                with self._compute():
+                    return full(logits_of(self.model(ids))).float()
+            finally:
+                self.model.train(mode)
         m, b = self.plan.num_microbatches, self.plan.microbatch_size
         if tuple(ids.shape) != (m * b, self.seq):
             raise PlanError(f"a pipeline computes logits for [{m * b}, {self.seq}] token ids "
@@ -287,7 +270,9 @@ class Trainer:
             out = self.pipe.eval(ids, target=torch.zeros_like(ids), losses=[])
         shape = (m * b, self.seq, self.vocab)
         last = self.plan.mesh["pp"] - 1
-        mine = _logits(out).float() if out is not None and \
+        if out is not None and logits_of(out).shape[0] == 2 * m * b:  # R-Drop traced twice
+            out = logits_of(out)[: m * b]
+        mine = logits_of(out).float() if out is not None and \
             self.pp_group.rank() == last else torch.empty(shape, device=self.device)
         group_rank = dist.get_global_rank(self.pp_group, last)
         dist.broadcast(mine, group_rank, group=self.pp_group)

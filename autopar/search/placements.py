@@ -24,6 +24,7 @@ from autopar.cost.activations import storage_root
 from autopar.cost.config import ParallelConfig
 from autopar.cost.tp_layout import tp_layout, vocab_parallel
 from autopar.ir.graph import Graph, OpKind, OpNode
+from autopar.peft import is_prefix_param
 
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split")
 # a key/value projection whose attention has fewer kv heads than tp: its weight stays whole on
@@ -58,7 +59,7 @@ def fused_segments(graph: Graph, name: str) -> list[int] | None:
     op = graph.op(name)
     width = op.output_meta[0].shape[-1]
     value = name
-    for _ in range(8):  # through views that keep the feature dimension (flatten/unflatten)
+    for _ in range(8):
         users = [graph.op(u) for u in graph.dag.successors(value) if graph.has_op(u)]
         if not users:
             return None
@@ -70,8 +71,10 @@ def fused_segments(graph: Graph, name: str) -> list[int] | None:
         if len(users) == 1 and _packet(users[0].target) in _SPLITS:
             sizes = [m.shape[-1] for m in users[0].output_meta]
             return sizes if len(sizes) > 1 and sum(sizes) == width else None
-        if len(users) == 1 and users[0].kind is OpKind.VIEW and users[0].output_meta and \
-                users[0].output_meta[0].shape[-1] == width:
+        # through views that keep the features, and elementwise ops on them (LoRA's update
+        # added to the base output, which the runtime splits part by part too)
+        if len(users) == 1 and users[0].kind in (OpKind.VIEW, OpKind.ELEMENTWISE) and \
+                users[0].output_meta and users[0].output_meta[0].shape[-1] == width:
             value = users[0].name
             continue
         return None
@@ -127,6 +130,9 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
                         where[p] = f"Shard({out_dim if column else 1 - out_dim})@tp"
                     elif column:  # a column-parallel bias is split with its outputs
                         where[p] = "Shard(0)@tp"  # (a row-parallel one is added once, whole)
+            elif tp and name in layout.sharded and op.params and \
+                    all(is_prefix_param(p) for p in op.params):
+                where = {p: "Shard(0)@tp" for p in op.params}  # a prefix, split by heads
             elif vocab_parallel(graph, name, config.tp, config.vocab_parallel):
                 where = {p: "Shard(0)@tp" for p in op.params}  # vocabulary split
             weight = weight_param(graph, op) if op.kind is OpKind.LINEAR else None

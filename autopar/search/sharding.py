@@ -28,7 +28,7 @@ from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
-from autopar.peft import is_added_param
+from autopar.peft import is_added_param, is_prefix_param
 from autopar.search.placements import fused_segments
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
@@ -102,6 +102,11 @@ def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = No
         if op.input_meta and op.input_meta[0].shape[-1] % tp == 0:
             out.append("W")
         return out
+    if op.params and all(is_prefix_param(p) for p in op.params) and \
+            op.kind in (OpKind.VIEW, OpKind.ELEMENTWISE):
+        # a Prefix Tuning prefix [kv_heads, tokens, head_dim] on its way into the keys or
+        # values: split by heads with the attention when the kv heads divide
+        return ["R", "S"] if graph.params[op.params[0]].shape[0] % tp == 0 else ["R"]
     if op.kind in _REPLICATED_ONLY or op.params:
         return ["R"]
     if op.kind is OpKind.REDUCTION and packet_name(op.target) not in _SPLIT_REDUCTIONS:

@@ -6,7 +6,7 @@ import json
 
 from autopar.plan import Plan
 
-from .test_inspect import _assert_one_line_error, run_cli
+from .test_inspect import _assert_one_line_error, cli_here, run_cli
 
 
 def test_compile_writes_plan_and_prints_report(tmp_path) -> None:
@@ -31,10 +31,10 @@ def test_compile_bad_inputs_exit_2_and_write_nothing(tmp_path) -> None:
     out = tmp_path / "never"
     base = ["compile", "tiny-llama", "--seq", "32", "--out", str(out)]
     _assert_one_line_error(run_cli(*base, "--devices", "4", "--constraints", "tp=3"), "tp=3")
-    _assert_one_line_error(run_cli(*base, "--devices", "4", "--constraints", "nope=1"), "nope")
-    _assert_one_line_error(run_cli(*base, "--devices", "4", "--cluster", "tpu-v9"), "tpu-v9")
-    _assert_one_line_error(run_cli(*base, "--devices", "4", "--memory-limit-gb", "0.0001"),
+    _assert_one_line_error(cli_here(*base, "--devices", "4", "--constraints", "nope=1"), "nope")
+    _assert_one_line_error(cli_here(*base, "--devices", "4", "--cluster", "tpu-v9"), "tpu-v9")
+    _assert_one_line_error(cli_here(*base, "--devices", "4", "--memory-limit-gb", "0.0001"),
                            "no plan fits")
-    _assert_one_line_error(run_cli(*base, "--devices", "0"), "--devices")
-    _assert_one_line_error(run_cli("compile", "tiny-llama"), "--devices")
+    _assert_one_line_error(cli_here(*base, "--devices", "0"), "--devices")
+    _assert_one_line_error(cli_here("compile", "tiny-llama"), "--devices")
     assert not out.exists()

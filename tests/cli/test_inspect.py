@@ -13,6 +13,35 @@ def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=120, cwd=cwd)
 
 
+def cli_here(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """:func:`run_cli` in this process: the CLI's own entry point (the same error handling,
+    exit codes and output), without a new interpreter's seconds of imports. For error paths
+    after a test's first, real-process call. ``cwd`` is also importable, as under -m."""
+    import contextlib
+    import io
+    import os
+
+    from autopar.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+        sys.path.insert(0, str(cwd))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        if cwd is not None:
+            os.chdir(here)
+            sys.path.remove(str(cwd))
+    return subprocess.CompletedProcess(["autopar", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_inspect_json_reports_exact_params() -> None:
     from autopar.models import build_model
 
@@ -58,13 +87,13 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -
 
 def test_bad_inputs_exit_2_with_one_line(tmp_path) -> None:
     _assert_one_line_error(run_cli("inspect", "no-such-model"), "no-such-model", "tiny-llama")
-    _assert_one_line_error(run_cli("inspect", "tiny-llama", "--seq", "0"), "--seq")
-    _assert_one_line_error(run_cli("inspect", "nomodule_xyz:make"), "nomodule_xyz")
+    _assert_one_line_error(cli_here("inspect", "tiny-llama", "--seq", "0"), "--seq")
+    _assert_one_line_error(cli_here("inspect", "nomodule_xyz:make"), "nomodule_xyz")
     broken = tmp_path / "broken.json"
     broken.write_text("{")
-    _assert_one_line_error(run_cli("inspect", str(broken)), "broken.json")
-    _assert_one_line_error(run_cli("inspect", str(tmp_path / "missing.onnx")), "missing.onnx")
-    _assert_one_line_error(run_cli("no-such-command"), "no-such-command")
+    _assert_one_line_error(cli_here("inspect", str(broken)), "broken.json")
+    _assert_one_line_error(cli_here("inspect", str(tmp_path / "missing.onnx")), "missing.onnx")
+    _assert_one_line_error(cli_here("no-such-command"), "no-such-command")
 
 
 def test_help_lists_commands_and_examples() -> None:

@@ -9,7 +9,7 @@ import yaml
 
 from autopar.cli import main
 
-from .test_inspect import run_cli
+from .test_inspect import cli_here, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def plans(tmp_path_factory) -> tuple:
     base = ["compile", "tiny-llama", "--devices", "4", "--global-batch", "16", "--seq", "64",
             "-q"]
     for out, extra in ((a, []), (b, ["--constraints", "pp=2"])):
-        result = run_cli(*base, *extra, "--out", str(out))
+        result = cli_here(*base, *extra, "--out", str(out))
         assert result.returncode == 0, result.stderr
     return a, b
 
@@ -30,7 +30,7 @@ def test_report_formats(plans, tmp_path, capsys) -> None:
     text = run_cli("report", str(a))
     assert text.returncode == 0 and "Why this plan" in text.stdout and text.stderr == ""
     out = tmp_path / "r.html"
-    html = run_cli("report", str(a / "plan.yaml"), "--out", str(out))
+    html = cli_here("report", str(a / "plan.yaml"), "--out", str(out))
     assert html.returncode == 0 and html.stdout == "" and f"wrote {out}" in html.stderr
     assert out.read_text().startswith("<!doctype html>")
     with pytest.raises(SystemExit) as exc:
@@ -43,10 +43,10 @@ def test_report_formats(plans, tmp_path, capsys) -> None:
 
 def test_diff_and_explain(plans, capsys) -> None:
     a, b = plans
-    diff = run_cli("diff", str(a), str(b))
+    diff = cli_here("diff", str(a), str(b))
     assert diff.returncode == 0, diff.stderr
     assert "pp " in diff.stdout and "B is " in diff.stdout and "What changed" in diff.stdout
-    explain = run_cli("explain", str(b), "--block", "model.layers.1")
+    explain = cli_here("explain", str(b), "--block", "model.layers.1")
     assert explain.returncode == 0, explain.stderr
     assert "recompute:" in explain.stdout and "self_attn.q_proj" in explain.stdout
     with pytest.raises(SystemExit):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .test_inspect import _assert_one_line_error, run_cli
+from .test_inspect import _assert_one_line_error, cli_here, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -49,9 +49,9 @@ def test_run_refuses_a_world_size_that_is_not_the_plans(tmp_path) -> None:
 def test_run_bad_artifacts(tmp_path) -> None:
     _assert_one_line_error(run_cli("run", str(tmp_path)), "not an autopar artifact")
     (tmp_path / "manifest.json").write_text("{broken")
-    _assert_one_line_error(run_cli("run", str(tmp_path)), "corrupt")
+    _assert_one_line_error(cli_here("run", str(tmp_path)), "corrupt")
     (tmp_path / "manifest.json").write_text(json.dumps({"manifest_version": 99}))
-    _assert_one_line_error(run_cli("run", str(tmp_path)), "manifest version")
+    _assert_one_line_error(cli_here("run", str(tmp_path)), "manifest version")
 
 
 FIXTURES = str(Path(__file__).resolve().parent.parent / "fixtures")
@@ -63,7 +63,7 @@ def _compile_and_train(tmp_path, devices: int, constraints: str) -> list[float]:
     pins = ",".join(filter(None, (constraints, "precision=fp32")))
     args = ["compile", "plain_lm:make", "--devices", str(devices), "--global-batch", "4",
             "--out", str(art), "-q", "--constraints", pins]
-    made = run_cli(*args, cwd=FIXTURES)
+    made = cli_here(*args, cwd=FIXTURES)  # the command line in-process; the run is torchrun
     assert made.returncode == 0, made.stderr
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(devices), "-m", "autopar"] if devices > 1 else [sys.executable, "-m", "autopar"])

@@ -13,7 +13,7 @@ from autopar.data.instruction import prepare_instruction
 from autopar.runtime.dataset import TokenDataset
 from autopar.runtime.source import describe_source
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 SEQ = 32
 PAIRS = [{"prompt": f"what is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
@@ -103,7 +103,7 @@ def test_bad_instruction_inputs_exit_2(tokenizer_folder, tmp_path) -> None:
     pairs.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
     _assert_one_line_error(run_cli("data", "prepare", str(pairs), "--format", "instruction",
                                    "--out", str(tmp_path / "a")), "--tokenizer", "--seq")
-    _assert_one_line_error(run_cli("data", "prepare", str(pairs), "--format", "instruction",
+    _assert_one_line_error(cli_here("data", "prepare", str(pairs), "--format", "instruction",
                                    "--tokenizer", str(tokenizer_folder), "--seq", "32",
                                    "--out", str(tmp_path / "b")), "pairs.jsonl:2", "prompt")
     assert not list(tmp_path.glob("b*"))

@@ -12,7 +12,7 @@ import autopar
 from autopar.models.hf import build_model
 from autopar.peft import apply_peft, parse_peft
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 
 def _trainable(model) -> int:
@@ -113,7 +113,7 @@ def test_finetune_on_the_command_line(tmp_path) -> None:
     assert plan["peft"]["r"] == 4 and plan["trainable_params"] == 4 * 4 * (64 + 64 + 64 + 32)
     _assert_one_line_error(run_cli("compile", "tiny-llama", "--devices", "2", "--peft", "lora",
                                    "--out", str(tmp_path / "a")), "--task finetune")
-    _assert_one_line_error(run_cli("compile", "tiny-llama", "--devices", "2", "--task",
+    _assert_one_line_error(cli_here("compile", "tiny-llama", "--devices", "2", "--task",
                                    "finetune", "--peft", "dora", "--out", str(tmp_path / "b")),
                            "unknown fine-tuning method", "lora")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -9,7 +9,7 @@ import pytest
 import autopar
 from autopar.plan.deepspeed import constraints_from_deepspeed, deepspeed_config
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 SAME = ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "offload", "precision",
         "recompute")
@@ -43,5 +43,5 @@ def test_compile_emits_deepspeed_json(tmp_path) -> None:
     config = json.loads((art / "deepspeed.json").read_text())
     assert config["zero_optimization"]["stage"] == 3
     assert config["train_batch_size"] == 4
-    _assert_one_line_error(run_cli("compile", "tiny-llama", "--devices", "2", "--emit",
+    _assert_one_line_error(cli_here("compile", "tiny-llama", "--devices", "2", "--emit",
                                    "megatron2", "--out", str(tmp_path / "x")), "--emit")

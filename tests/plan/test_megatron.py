@@ -7,7 +7,7 @@ import pytest
 import autopar
 from autopar.plan.megatron import constraints_from_megatron, megatron_command
 
-from ..cli.test_inspect import run_cli
+from ..cli.test_inspect import cli_here, run_cli
 
 SAME = ("mesh", "zero_stage", "microbatch_size", "num_microbatches", "sequence_parallel",
         "precision", "recompute", "schedule")
@@ -42,7 +42,7 @@ def test_compile_emits_and_reads_a_megatron_command(tmp_path) -> None:
     assert made.returncode == 0, made.stderr
     pins = constraints_from_megatron((art / "megatron.sh").read_text())
     assert pins["tp"] == 2 and pins["pp"] == 2 and pins["zero_stage"] == 2
-    again = run_cli("compile", "tiny-llama", "--devices", "8", "--seq", "32", "--global-batch",
+    again = cli_here("compile", "tiny-llama", "--devices", "8", "--seq", "32", "--global-batch",
                     "8", "--constraints", str(art / "megatron.sh"), "--out",
                     str(tmp_path / "again"), "-q")
     assert again.returncode == 0, again.stderr

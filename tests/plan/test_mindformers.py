@@ -11,7 +11,7 @@ import yaml
 import autopar
 from autopar.plan.mindformers import mindformers_yaml
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 # the parallel sections of a MindFormers Llama-2-70B training YAML, for 64 devices
 MINDFORMERS = """
@@ -108,7 +108,7 @@ def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> N
                                    "-q"), "sequence parallelism inside pipeline stages",
                            "engine=megatron")
     # its model section describes Llama-2-70B, not 7B
-    _assert_one_line_error(run_cli("compile", "llama2-7b", "--devices", "64",
+    _assert_one_line_error(cli_here("compile", "llama2-7b", "--devices", "64",
                                    "--constraints", str(REAL), "--constraints",
                                    "engine=megatron", "--out", str(tmp_path / "b"), "-q"),
                            "for another model", "hidden_size 8192 (the model has 4096)")

@@ -39,13 +39,15 @@ def _train(world: int, source: dict, plan_dict: dict, steps: int, seed: int,
     sharded = sum(1 for p in trainer.model.parameters() if hasattr(p, "device_mesh")
                   and any(pl.is_shard() for pl in p.placements))
     probed = probe(trainer) if probe is not None else None  # on every rank: it may assert
+    grads = None
     if first_grads:  # every rank's, merged: pipeline ranks hold different parameters
         everyone: list = [captured]
         if world > 1:
             everyone = [None] * world
             dist.all_gather_object(everyone, captured)
-        probed = {k: v for d in everyone for k, v in d.items()}
-    return (losses, sharded) if probed is None else (losses, sharded, probed)
+        grads = {k: v for d in everyone for k, v in d.items()}
+    extra = [x for x in (grads, probed) if x is not None]
+    return (losses, sharded, *extra)
 
 
 def run_in_group(rank: int, port: int, out, world: int, body, *args) -> None:
@@ -70,7 +72,7 @@ def run_in_group(rank: int, port: int, out, world: int, body, *args) -> None:
         import traceback
 
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n"
-                          f"{''.join(traceback.format_exc()[-3000:])}"))
+                          f"{''.join(traceback.format_exc()[-30000:])}"))
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -79,6 +81,10 @@ def run_in_group(rank: int, port: int, out, world: int, body, *args) -> None:
 def _capture_first_gradients(trainer, into: dict) -> None:
     """Record every parameter's full gradient as the first optimizer step sees it (after the
     gradient sync and clipping), keyed by its name in the plain model."""
+    import torch
+
+    from autopar.runtime.tp_styles import FUSED_ATTR
+
     step = trainer.optimizer.step
 
     def capture(*args, **kwargs):
@@ -88,6 +94,11 @@ def _capture_first_gradients(trainer, into: dict) -> None:
                 if g is None:
                     continue
                 g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                owner, _, leaf = name.rpartition(".")
+                fused = getattr(trainer.model.get_submodule(owner), FUSED_ATTR, {}).get(leaf)
+                if fused is not None:  # a fused projection's rows, back in model order
+                    dim, rows = fused
+                    g = g.index_select(dim, torch.argsort(rows.to(g.device)))
                 name = name.removeprefix("module.")
                 if trainer.pipe is not None:  # drop the stage's ModuleList index
                     name = name.split(".", 1)[1]
@@ -146,8 +157,8 @@ def run_ranks(source: dict, plan, steps: int = 5, seed: int = 0, timeout_s: floa
     many of its parameters are sharded DTensors). Every rank runs the program autopar
     generates for ``plan`` (what train.py holds). ``probe``, a module-level function of the
     Trainer, runs on every rank after training (collectives allowed); rank 0's result is
-    appended as a third item; with ``first_grads``, every parameter's gradient at the first
-    optimizer step (all ranks', by plain-model name) is. ``init_from``: a Hugging Face
+    appended; with ``first_grads``, every parameter's gradient at the first optimizer step
+    (all ranks', by plain-model name) is appended first. ``init_from``: a Hugging Face
     checkpoint folder the weights are loaded from."""
     from autopar.codegen import program_text
 

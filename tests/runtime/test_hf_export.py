@@ -13,7 +13,7 @@ from safetensors import safe_open
 import autopar
 from autopar.runtime.source import describe_source
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 from ..cli.test_run import FIXTURES
 from .harness import run_ranks
 from .layouts import with_full_size_layout
@@ -31,8 +31,8 @@ def _keys(folder) -> set[str]:
 
 
 def _compile(name: str, out, devices: int) -> None:
-    result = run_cli("compile", name, "--devices", str(devices), "--global-batch", "4",
-                     "--seq", "32", "--cluster", "cpu", "--out", str(out), "-q")
+    result = cli_here("compile", name, "--devices", str(devices), "--global-batch", "4",
+                      "--seq", "32", "--cluster", "cpu", "--out", str(out), "-q")
     assert result.returncode == 0, result.stderr
 
 
@@ -70,11 +70,11 @@ def test_export_writes_what_save_pretrained_writes(hf_folder, tmp_path, name: st
     art = tmp_path / "art"
     _compile(name, art, 1)
     source = hf_folder(name)
-    run = run_cli("run", str(art), "--steps", "1", "--lr", "0", "--device", "cpu",
-                  "--init-from", str(source))
+    run = cli_here("run", str(art), "--steps", "1", "--lr", "0", "--device", "cpu",
+                   "--init-from", str(source))
     assert run.returncode == 0, run.stderr
     out = tmp_path / "hf"
-    result = run_cli("export", str(art), "--to", "hf", str(out), "--max-shard-size", "300KB")
+    result = cli_here("export", str(art), "--to", "hf", str(out), "--max-shard-size", "300KB")
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
     assert len(list(out.glob("*.safetensors"))) > 1
@@ -99,7 +99,7 @@ def test_bad_inputs_are_refused_in_one_line(hf_folder, tmp_path) -> None:
                            "no complete checkpoint", "autopar run")
     assert not out.exists()
     # a checkpoint of another model: names and shapes differ, refused before any allocation
-    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu",
+    _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu",
                                    "--init-from", str(hf_folder("tiny-gpt2"))),
                            "does not match the model", "this model's config")
     assert not (art / "logs").exists() and not (art / "checkpoints").exists()
@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused_in_one_line(hf_folder, tmp_path) -> None:
     wider = tmp_path / "wider"  # the same names, other shapes
     build_model(dict(load_config("tiny-llama"), intermediate_size=128),
                 device="cpu").save_pretrained(wider)
-    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu",
+    _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu",
                                    "--init-from", str(wider)),
                            "there but [64, 176] in the model", "this model's config")
     # a torch .bin checkpoint
@@ -116,21 +116,21 @@ def test_bad_inputs_are_refused_in_one_line(hf_folder, tmp_path) -> None:
     other.mkdir()
     (other / "config.json").write_text("{}")
     torch.save({}, other / "pytorch_model.bin")
-    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu",
+    _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu",
                                    "--init-from", str(other)), ".bin", "safetensors")
     # an existing, non-empty output folder is never overwritten
-    assert run_cli("run", str(art), "--steps", "1", "--device", "cpu", "--init-from",
+    assert cli_here("run", str(art), "--steps", "1", "--device", "cpu", "--init-from",
                    str(hf_folder("tiny-llama"))).returncode == 0
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _assert_one_line_error(run_cli("export", str(art), "--to", "hf", str(out)),
+    _assert_one_line_error(cli_here("export", str(art), "--to", "hf", str(out)),
                            "already exists")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     # a model that is not a transformers one has no Hugging Face form
     plain = tmp_path / "plain"
-    assert run_cli("compile", "plain_lm:make", "--devices", "1", "--global-batch", "4",
+    assert cli_here("compile", "plain_lm:make", "--devices", "1", "--global-batch", "4",
                    "--out", str(plain), "-q", cwd=FIXTURES).returncode == 0
-    assert run_cli("run", str(plain), "--steps", "1", "--device", "cpu",
+    assert cli_here("run", str(plain), "--steps", "1", "--device", "cpu",
                    cwd=FIXTURES).returncode == 0
-    _assert_one_line_error(run_cli("export", str(plain), "--to", "hf", str(tmp_path / "x"),
+    _assert_one_line_error(cli_here("export", str(plain), "--to", "hf", str(tmp_path / "x"),
                                    cwd=FIXTURES), "factory model", "transformers config")

@@ -13,7 +13,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime import Trainer
 from autopar.runtime.source import describe_source
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mixtral", "tiny-gpt2", "tiny-qwen2"])
@@ -35,7 +35,7 @@ def test_a_plan_for_another_model_is_refused() -> None:
 
 def test_other_library_releases_are_refused(tmp_path) -> None:
     art = tmp_path / "art"
-    assert run_cli("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--cluster", "cpu",
+    assert cli_here("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--cluster", "cpu",
                    "--out", str(art), "-q").returncode == 0
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["versions"] == library_versions()
