@@ -21,9 +21,10 @@ GB = 1e9
 def _row(name: str, plan, seconds: float) -> str:
     m, mem = plan.mesh, plan.predicted.memory
     shape = f"dp{m['dp']} tp{m['tp']} pp{m['pp']} ZeRO-{plan.zero_stage}"
-    recompute = "+".join(sorted(set(plan.recompute))) or "none"
+    recompute = "+".join(sorted(set(plan.recompute) - {"none"})) or "none"
+    offload = "+".join(plan.offload) or "none"
     return (f"{name:<6} {shape:<22} {plan.microbatch_size:>3}x{plan.num_microbatches:<4} "
-            f"{recompute:<10} {plan.trainable_params / 1e6:>9.1f} "
+            f"{recompute:<15} {offload:<17} {plan.trainable_params / 1e6:>9.1f} "
             f"{mem['params'] / GB:>7.2f} {mem['grads'] / GB:>7.2f} {mem['optimizer'] / GB:>7.2f} "
             f"{mem['activations'] / GB:>7.2f} {mem['total'] / GB:>7.2f} "
             f"{plan.predicted.step_time_s:>8.3f} {seconds:>6.1f}")
@@ -40,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{args.model} on {args.devices} x {args.cluster}, global batch {args.global_batch}, "
           f"seq {args.seq}; per-device memory in GB (predicted)")
-    print(f"{'task':<6} {'plan':<22} {'mbxn':>8} {'recompute':<10} {'train M':>9} "
+    print(f"{'task':<6} {'plan':<22} {'mbxn':>8} {'recompute':<15} {'offload':<17} {'train M':>9} "
           f"{'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'total':>7} {'step s':>8} "
           f"{'plan s':>6}")
     for name, peft in (("full", None), ("lora", args.lora)):

@@ -117,3 +117,24 @@ def test_finetune_on_the_command_line(tmp_path) -> None:
                                    "finetune", "--peft", "dora", "--out", str(tmp_path / "b")),
                            "unknown fine-tuning method", "lora")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_lora_and_full_fine_tuning_get_different_plans() -> None:
+    """Llama-3-8B on 8 x a100-40g (bench/lora_vs_full.py prints the table): full fine-tuning
+    only fits with its states sharded or offloaded, LoRA fits without, and the planner picks
+    a different plan for each."""
+    def plan(peft):
+        return autopar.plan("llama3-8b", devices=8, cluster="a100-40g", global_batch=64,
+                            seq=2048, task="finetune", peft=peft)
+
+    full, lora = plan(None), plan("method=lora,r=8,lora_alpha=16,target_modules=all-linear")
+
+    def shape(p):
+        return (p.mesh, p.zero_stage, tuple(p.offload), tuple(p.recompute),
+                p.microbatch_size)
+
+    assert shape(full) != shape(lora)
+    assert "optimizer" in full.offload or full.mesh["tp"] * full.mesh["pp"] > 1
+    assert lora.offload == [] and lora.mesh["tp"] == lora.mesh["pp"] == 1
+    assert lora.predicted.memory["optimizer"] < full.predicted.memory["params"] / 100
+    assert lora.predicted.step_time_s < full.predicted.step_time_s
