@@ -208,11 +208,20 @@ def _peft(w: _Writer, plan: Plan) -> None:
         w.line(f"    {key!r}: {value!r},")
     w.line("}")
     w.blank(2)
+    held = plan_precision(plan).param
     w.line("def adapt(model):")
     w.line('    """Apply the fine-tuning method, on meta, before the model is laid out."""')
-    w.line("    from autopar.peft import apply_peft")
-    w.blank()
-    w.line("    apply_peft(model, PEFT)")
+    if held == "fp32":
+        w.line("    from autopar.peft import apply_peft")
+        w.blank()
+        w.line("    apply_peft(model, PEFT)")
+    else:
+        w.line("    from autopar.peft import apply_peft, hold_frozen")
+        w.blank()
+        w.line("    apply_peft(model, PEFT)")
+        w.line("    # frozen weights get no update, so no fp32 master copy: held as compute reads "
+               "them")
+        w.line(f"    hold_frozen(model, torch.{_TORCH[held]})")
     w.blank(2)
 
 

@@ -131,13 +131,15 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
         param_b, grad_b, optim_b, copy_b = state_bytes(precision, config.engine)
         for numel, n, trains in ((dense, config.dp * config.ep, trainable_dense),
                                  (expert, config.dp, trainable_expert)):
+            # frozen weights (fine-tuning) need no fp32 master: held in the param dtype
             states = model_state_bytes(numel, n, config.zero_stage, param_b, grad_b, optim_b,
-                                       trains)
+                                       trains, frozen_param_bytes=precision.param_bytes)
             mem.params += states.params
             mem.grads += states.grads
             mem.optimizer += states.optimizer
-            if config.zero_stage < 3:  # the compute copy: kept from the forward to the end
-                mem.buffers += numel * copy_b  # of the backward (ZeRO-3 gathers per block)
+            if config.zero_stage < 3:  # the compute copy of trained weights: kept from the
+                mem.buffers += trains * copy_b  # forward to the end of the backward (ZeRO-3
+                # gathers per block)
         held = inflight_microbatches(config.schedule, config.pp, stage,
                                      config.num_microbatches, config.virtual_stages)
         on_device = min(held, 1.0) if "activations" in config.offload else held

@@ -45,15 +45,18 @@ def model_state_bytes(
     grad_bytes: int = 2,
     optimizer_bytes: int = 12,
     trainable: float | None = None,
+    frozen_param_bytes: int | None = None,
 ) -> MemoryBreakdown:
     """Parameters, gradients and optimizer states of ``num_params`` on one device.
 
     Only the ``trainable`` of them (all by default; fewer when fine-tuning freezes the base
-    weights) carry gradients and optimizer states.
+    weights) carry gradients and optimizer states; the frozen ones are held in
+    ``frozen_param_bytes`` each (default ``param_bytes``).
     """
     nd = max(data_parallel, 1)
     trainable = num_params if trainable is None else trainable
-    params = num_params * param_bytes
+    frozen_param_bytes = param_bytes if frozen_param_bytes is None else frozen_param_bytes
+    params = trainable * param_bytes + (num_params - trainable) * frozen_param_bytes
     grads = trainable * grad_bytes
     optimizer = trainable * optimizer_bytes
     if zero_stage >= 1:

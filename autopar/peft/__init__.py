@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 
+from autopar.errors import PlanError
 from autopar.peft.adapter import ADAPTER_PARAMS, AdapterLinear, apply_adapter
 from autopar.peft.bitfit import apply_bitfit
 from autopar.peft.config import METHODS, PeftConfig, parse_peft
@@ -22,6 +24,8 @@ _APPLY = {"lora": apply_lora, "prefix_tuning": apply_prefix_tuning, "adapter": a
           "rdrop": apply_rdrop}
 assert set(_APPLY) == set(METHODS)
 
+APPLIED_ATTR = "_autopar_peft"  # on the model: the method apply_peft applied
+
 # parameters a method adds to the model (absent from the base model's checkpoint)
 ADDED_PARAMS = (*LORA_PARAMS, *ADAPTER_PARAMS, *PREFIX_PARAMS)
 
@@ -30,8 +34,31 @@ def apply_peft(model: nn.Module, config: PeftConfig | dict | str) -> list[str]:
     """Transform ``model`` in place for ``config``'s method; returns the names of the
     parameters it trains."""
     config = parse_peft(config)
+    if getattr(model, APPLIED_ATTR, None) is not None:
+        raise PlanError(f"the model is already fine-tuned with {getattr(model, APPLIED_ATTR)}; "
+                        f"apply one method once, to the base model")
     _APPLY[config.method](model, config)
+    setattr(model, APPLIED_ATTR, config.method)
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def applied_method(model: nn.Module) -> str | None:
+    """The fine-tuning method :func:`apply_peft` applied to ``model``, if any."""
+    return getattr(model, APPLIED_ATTR, None)
+
+
+def hold_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold ``model``'s frozen floating-point parameters in ``dtype`` (the plan's parameter
+    dtype): they get no gradient and no optimizer update, so they need no fp32 master copy;
+    compute reads them in ``dtype`` anyway. Returns how many it cast (on meta: free)."""
+    cast = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(p.detach().to(dtype),
+                                                        requires_grad=False)
+                cast += 1
+    return cast
 
 
 def is_added_param(fqn: str) -> bool:
@@ -46,4 +73,5 @@ def is_prefix_param(fqn: str) -> bool:
 
 
 __all__ = ["METHODS", "AdapterLinear", "LoraLinear", "PeftConfig", "PrefixKV", "apply_peft",
+           "applied_method", "hold_frozen",
            "is_added_param", "is_prefix_param", "parse_peft"]

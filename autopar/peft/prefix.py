@@ -147,8 +147,6 @@ def apply_prefix_tuning(model: nn.Module, config: PeftConfig) -> list[str]:
     model.requires_grad_(False)
     kv_heads, head_dim = kv_shape(model)
     inner = model.config._attn_implementation or "eager"
-    if inner == ATTENTION_NAME:
-        raise PlanError("the model already has prefix tuning; apply it once")
     weight = next(model.parameters())
     for _, attention in attentions:
         attention.prefix = PrefixKV(kv_heads, config.num_virtual_tokens, head_dim, inner,

@@ -41,7 +41,8 @@ def check_module_paths(model: nn.Module, plan: Plan) -> None:
 def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
                 example: torch.Tensor | None = None, loss_fn=None) -> nn.Module | Pipeline:
     """``model`` (built and initialised on every rank, on ``device``) parallelised as ``plan``
-    says, in the current process group (world size = ``plan.devices``).
+    says, in the current process group (world size = ``plan.devices``). A fine-tuning plan's
+    method (``plan.peft``) is applied first unless the model has it already.
 
     Without pipeline stages it returns the module to train (a DDP wrapper under ZeRO-0/1, else
     ``model`` itself); outputs stay whole, so any loss works. Tensor-parallel weights are taken
@@ -61,6 +62,11 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
+    if plan.peft:  # a fine-tuning plan: the method it was planned with, applied once
+        from autopar.peft import applied_method, apply_peft
+
+        if applied_method(model) is None:
+            apply_peft(model, plan.peft)
     check_module_paths(model, plan)
     from autopar.runtime.mesh import build_mesh, single_process_mesh
 

@@ -196,7 +196,7 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
                                     (experts, config.dp, trains_experts)):
         if train:
             states = model_state_bytes(numel, replicas, config.zero_stage, param_b, grad_b,
-                                       optim_b, trains)
+                                       optim_b, trains, frozen_param_bytes=precision.param_bytes)
         else:
             states = MemoryBreakdown(params=numel * precision.param_bytes)
         out.params += states.params

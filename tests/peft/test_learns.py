@@ -56,3 +56,19 @@ def test_every_method_learns(method: str, counting: str, hf_folder) -> None:
     assert trained and (len(trained) == total) == (method == "rdrop")  # only R-Drop trains all
     losses = trainer.train(STEPS)
     assert np.mean(losses[-3:]) < losses[0] - 0.15, losses
+
+
+def test_frozen_weights_are_held_in_the_plans_parameter_dtype(counting: str, hf_folder) -> None:
+    """In bf16 the frozen base needs no fp32 master copy: the generated program holds it in
+    bf16 (what the planner prices), the adapters stay fp32, and it still learns."""
+    graph = autopar.capture("tiny-llama", seq=SEQ, peft=METHODS["lora"][0])
+    plan = autopar.plan(graph, devices=1, global_batch=BATCH, task="finetune",
+                        constraints=dict(precision="bf16", microbatch_size=BATCH,
+                                         num_microbatches=1))
+    source = describe_source("tiny-llama")
+    trainer = Trainer(source, plan, program=generated_program(plan, source), data=counting,
+                      init_from=str(hf_folder("tiny-llama")), lr=METHODS["lora"][1])
+    held = {(str(p.dtype), p.requires_grad) for p in trainer.model.parameters()}
+    assert held == {("torch.bfloat16", False), ("torch.float32", True)}
+    losses = trainer.train(STEPS)
+    assert np.mean(losses[-3:]) < losses[0] - 0.15, losses
