@@ -89,6 +89,9 @@ def parse_peft(spec: PeftConfig | dict | str | Path | None) -> PeftConfig | None
         if kind not in _PEFT_TYPES:
             raise PlanError(f"{where}: peft_type {kind} is not one autopar runs; use "
                             f"{', '.join(_PEFT_TYPES)}")
+        if data.get("prefix_projection"):
+            raise PlanError(f"{where}: prefix_projection (an MLP that makes the prefix) is not "
+                            f"in autopar; use a prefix tuning config without it")
         data = {k: v for k, v in data.items() if k in _NAMES}
         data["method"] = _PEFT_TYPES[kind]
     method = str(data.get("method", "")).lower().replace("-", "_")

@@ -86,3 +86,13 @@ def test_bad_adapter_folders_are_refused(tmp_path) -> None:
     save_adapter(tmp_path, *adapter_files(other, autopar.peft.parse_peft(PREFIX), trained))
     with pytest.raises(autopar.PlanError, match="load it onto the base model"):
         load_adapter(build_model("tiny-llama", device="cpu"), tmp_path)
+
+
+def test_a_prefix_projection_is_refused(tmp_path) -> None:
+    config = tmp_path / "adapter_config.json"
+    config.write_text('{"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 4, '
+                      '"prefix_projection": true}')
+    with pytest.raises(autopar.PlanError, match="prefix_projection"):
+        autopar.peft.parse_peft(config)
+    config.write_text(config.read_text().replace("true", "false"))
+    assert autopar.peft.parse_peft(config).num_virtual_tokens == 4
