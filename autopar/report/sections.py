@@ -62,11 +62,18 @@ def summary_section(d: dict) -> Section:
         method = peft.get("method", "full fine-tuning")
         if method == "lora":
             method += f" r={peft.get('r')} on {_targets(peft.get('target_modules'))}"
+        elif method == "prefix_tuning":
+            method += f" with {peft.get('num_virtual_tokens')} virtual tokens per layer"
+        elif method in ("adapter", "low_rank_adapter"):
+            method += f" of size {peft.get('adapter_size')}"
+        elif method == "rdrop":
+            method += f" (two dropout passes, KL weight {peft.get('rdrop_alpha')})"
         total = s.get("model_params") or 0
         share = s["trainable_params"] / total if total else 0.0
+        frozen = "; the rest are frozen" if s["trainable_params"] < total else ""
         pairs.append(("fine-tuning", f"{method}: {fmt.count(s['trainable_params'])} of "
                                      f"{fmt.count(total)} parameters train "
-                                     f"({fmt.pct(share)}); the rest are frozen"))
+                                     f"({fmt.pct(share)}){frozen}"))
     if s.get("engine", "autopar") != "autopar":
         pairs.append(("priced for", f"{s['engine']}'s collectives (a plan to export, not to run "
                                     f"with autopar run)"))

@@ -79,7 +79,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
         peft = parse_peft(plan.peft)
         if merge and peft.method != "lora":
             raise PlanError(f"--merge folds LoRA into the base weights; a {peft.method} run "
-                            f"has no LoRA to fold; drop --merge (its adapter folder is written)")
+                            f"has no LoRA to fold; drop --merge to write its adapter folder")
         adapted = build_from_source(source, 0, "meta")
         apply_peft(adapted, peft)
         if peft.method == "rdrop":  # every weight trained: the whole model is the export
