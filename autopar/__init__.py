@@ -1,7 +1,7 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
 Public surface (see docs/architecture.md): ``capture``, ``plan``, ``compile``, ``parallelize``,
-``Cluster``, the error classes and the
+``Generator``, ``Cluster``, the error classes and the
 ``ir`` module.
 """
 
@@ -12,9 +12,11 @@ from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 from autopar.plan import Plan
 from autopar.runtime.apply import parallelize
+from autopar.runtime.generate import Generator
 from autopar.search.api import plan
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "CaptureError", "Cluster", "InfeasibleError", "Plan", "PlanError",
+__all__ = ["AutoparError", "CaptureError", "Cluster", "Generator", "InfeasibleError", "Plan",
+           "PlanError",
            "capture", "compile", "ir", "parallelize", "plan", "__version__"]

@@ -112,7 +112,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                 module = n.rpartition(".")[0]
                 if n.endswith(".weight") and module in lora:
                     wanted += [f"{module}.lora_A", f"{module}.lora_B"]
-            state = _read(ckpt, stored, wanted)
+            state = read_tensors(ckpt, stored, wanted)
             tensors = {}
             for n in group:
                 whole = state.pop(f"model.{n}")
@@ -154,7 +154,7 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
         raise
 
 
-def _read(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
+def read_tensors(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
     """The named model tensors of a distributed checkpoint, whole (no process group)."""
     import torch.distributed.checkpoint as dcp
 
@@ -173,7 +173,7 @@ def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: s
     from autopar.peft.saved import adapter_files, save_adapter
 
     names = [n for n, p in adapted.named_parameters() if p.requires_grad]
-    state = _read(ckpt, stored, names)
+    state = read_tensors(ckpt, stored, names)
     trained = {n: state[f"model.{n}"].to(DTYPES[dtype]) for n in names}
     tensors, config = adapter_files(adapted, peft, trained)
     with _atomic_folder(out) as partial:

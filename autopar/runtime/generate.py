@@ -1,0 +1,188 @@
+"""Cached autoregressive generation: the prompt runs once (prefill), then one token at a time,
+each step reading every layer's keys and values from a static cache instead of recomputing
+the prefix.
+
+The cache is transformers' ``StaticCache``: per layer, keys and values pre-allocated as
+[batch, kv_heads, max_len, head_dim] and written by position. Its layers size themselves from
+the first keys they see, so under tensor parallelism (the attention split by heads) each rank
+caches only its own kv heads: [batch, kv_heads / tp, max_len, head_dim]. Prompts of different
+lengths are left-padded, their positions counted from their first real token, as Hugging
+Face's ``generate`` does, so greedy tokens are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autopar.errors import PlanError
+from autopar.plan import Plan
+
+
+def _tokens(out: object) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of prompts of different lengths, left-padded."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise PlanError("every prompt needs at least one token; drop the empty ones")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None
+                ) -> torch.Tensor:
+    """One token per row from the last position's logits [batch, vocab], with Hugging Face's
+    warpers in its order: temperature, then top-k, then top-p (the smallest set of tokens
+    whose probability reaches ``top_p``, at least one)."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1)  # ascending, as HF's TopPLogitsWarper
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[..., -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+class Generator:
+    """Generate with a model's KV cache, in one process or under a plan on several.
+
+    ``model`` is a Hugging Face causal LM (an ``nn.Module``), a shipped name or config path
+    (built with random weights), a Hugging Face folder with weights, or an artifact
+    directory (its latest checkpoint, adapters included). With ``plan`` (pp = 1), the model is
+    laid out as the plan says in the current process group (tensor parallelism splits the
+    attention by heads and with it the cache); every rank must call :meth:`generate` with
+    the same arguments and gets the same tokens.
+    """
+
+    def __init__(self, model: nn.Module | str | Path, plan: Plan | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        model = load_model(model, self.device)
+        if getattr(model, "config", None) is None or not hasattr(model, "get_output_embeddings"):
+            raise PlanError(f"generation needs a Hugging Face causal LM (its config and cache); "
+                            f"{type(model).__name__} is not one")
+        if plan is not None and plan.devices > 1:
+            if plan.mesh["pp"] > 1:
+                raise PlanError("generation under pipeline stages is not in autopar yet; "
+                                "re-plan with constraints pp=1")
+            from autopar.runtime.apply import parallelize
+
+            model = parallelize(model, plan, str(self.device.type))
+        self.model = model.eval()
+        self.config = model.config
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]],
+                 attention_mask: torch.Tensor | None = None, *, max_new_tokens: int = 32,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, seed: int = 0) -> torch.Tensor:
+        """The prompts followed by their new tokens, as Hugging Face's ``generate`` returns
+        them: [batch, prompt + new]. ``input_ids`` is a tensor (left-padded, with its
+        ``attention_mask``) or a list of token-id lists of any lengths (left-padded here).
+        A row that emits ``eos_token_id`` is finished: it continues with ``pad_token_id``
+        (default: the eos id), and generation stops when every row is finished. Sampling
+        draws from a generator seeded with ``seed`` (the same draws on every rank)."""
+        if max_new_tokens < 1:
+            raise PlanError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if do_sample and temperature <= 0:
+            raise PlanError(f"temperature must be positive, got {temperature}; use "
+                            f"do_sample=False for greedy decoding")
+        if pad_token_id is None:
+            pad_token_id = eos_token_id if eos_token_id is not None else 0
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids, attention_mask = left_pad(input_ids, pad_token_id)
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else \
+            attention_mask.to(self.device, torch.long)
+        from transformers import StaticCache
+
+        batch, prompt = input_ids.shape
+        cache = StaticCache(config=self.config, max_cache_len=prompt + max_new_tokens)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
+        generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
+            else None
+        logits = _tokens(self.model(input_ids=input_ids, attention_mask=mask,
+                                    position_ids=positions, cache=cache, use_cache=True))
+        out = [input_ids]
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        position = positions[:, -1:]
+        for step in range(max_new_tokens):
+            last = _whole(logits[:, -1])
+            token = sample_next(last, temperature, top_k, top_p, generator) if do_sample \
+                else last.argmax(-1)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, pad_token_id)
+                finished |= token == eos_token_id
+            out.append(token[:, None])
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            position = position + 1
+            logits = _tokens(self.model(input_ids=token[:, None], attention_mask=mask,
+                                        position_ids=position, cache=cache, use_cache=True))
+        return torch.cat(out, dim=1)
+
+
+def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module:
+    """The model a :class:`Generator` runs, from what the user passed (see there)."""
+    if isinstance(model, nn.Module):
+        return model.to(device)
+    path = Path(str(model))
+    if (path / "manifest.json").is_file():
+        return _from_artifact(path, device)
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    from autopar.models.hf import build_model
+
+    return build_model(str(model), device=device, dtype=torch.float32)
+
+
+def _from_artifact(directory: Path, device: torch.device) -> nn.Module:
+    """An artifact's model with the weights of its latest checkpoint (whole, one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.codegen import load_artifact
+    from autopar.runtime.checkpoint import latest_checkpoint
+    from autopar.runtime.hf_export import read_tensors
+    from autopar.runtime.source import build_from_source
+
+    manifest, plan = load_artifact(directory)
+    ckpt = latest_checkpoint(directory / "checkpoints")
+    if ckpt is None:
+        raise PlanError(f"no complete checkpoint in {directory / 'checkpoints'}; train first "
+                        f"(autopar run {directory} --steps N saves one at the end)")
+    model = build_from_source(manifest["model"], 0, device)
+    if plan.peft:
+        from autopar.peft import apply_peft
+
+        apply_peft(model, plan.peft)
+    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    names = [n for n, _ in model.named_parameters()]
+    state = read_tensors(ckpt, stored, names)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[f"model.{name}"])
+    return model
