@@ -12,6 +12,7 @@ from autopar.cli.data_cmd import data_group
 from autopar.cli.diff_cmd import diff_cmd
 from autopar.cli.explain_cmd import explain_cmd
 from autopar.cli.export_cmd import export_cmd
+from autopar.cli.generate_cmd import generate_cmd
 from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
 from autopar.cli.report_cmd import report_cmd
@@ -38,6 +39,7 @@ def cli() -> None:
       torchrun --nproc-per-node 2 -m autopar run autopar-tiny-llama-2   # train a plan
       autopar run DIR --init-from ./hf-folder     # start from Hugging Face weights
       autopar export DIR --to hf ./trained        # the trained model as a Hugging Face folder
+      autopar generate DIR --prompts p.jsonl      # generate with a KV cache, print tokens/s
     """
 
 
@@ -51,6 +53,7 @@ run_cmd.short_help = "Train an artifact DIR under torchrun (or as one process)."
 cli.add_command(run_cmd)
 cli.add_command(profile_cmd)
 cli.add_command(export_cmd)
+cli.add_command(generate_cmd)
 cli.add_command(data_group)
 
 

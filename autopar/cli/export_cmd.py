@@ -35,9 +35,9 @@ def _bytes(text: str) -> int:
 def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: str,
                merge: bool) -> None:
     """Write the latest checkpoint of artifact DIRECTORY (trained under any plan) as a
-    Hugging Face folder OUT: AutoModelForCausalLM.from_pretrained(OUT) loads it. A LoRA
-    fine-tuning run becomes peft's adapter folder (PeftModel.from_pretrained(base, OUT)), or
-    with --merge the merged model.
+    Hugging Face folder OUT: AutoModelForCausalLM.from_pretrained(OUT) loads it. A
+    fine-tuning run becomes its adapter folder (LoRA and Prefix Tuning in peft's layout:
+    PeftModel.from_pretrained(base, OUT)); a LoRA run with --merge the merged model.
 
     \b
     Examples:

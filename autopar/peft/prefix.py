@@ -121,8 +121,10 @@ def kv_shape(model: nn.Module) -> tuple[int, int]:
 
 def _shift_positions(tokens: int):
     """A pre-hook giving the real tokens positions after the prefix (peft's: the prefix is
-    the sequence's past)."""
+    the sequence's past); positions a caller passes (a generator's, from 0) move with them."""
     def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is not None:  # a caller's positions (a generator's)
+            return args, {**kwargs, "position_ids": kwargs["position_ids"] + tokens}
         if kwargs.get("position_ids") is None:
             ids = args[0] if args else kwargs.get("input_ids")
             if ids is None:

@@ -67,7 +67,7 @@ class Generator:
     """Generate with a model's KV cache, in one process or under a plan on several.
 
     ``model`` is a Hugging Face causal LM (an ``nn.Module``), a shipped name or config path
-    (built with random weights), a Hugging Face folder with weights, or an artifact
+    (random weights from seed 0, as ``autopar run`` starts), a Hugging Face folder with weights, or an artifact
     directory (its latest checkpoint, adapters included). With ``plan`` (pp = 1), the model is
     laid out as the plan says in the current process group (tensor parallelism splits the
     attention by heads and with it the cache); every rank must call :meth:`generate` with
@@ -85,8 +85,13 @@ class Generator:
             if plan.mesh["pp"] > 1:
                 raise PlanError("generation under pipeline stages is not in autopar yet; "
                                 "re-plan with constraints pp=1")
+            import dataclasses
+
             from autopar.runtime.apply import parallelize
 
+            # a decode step has one token: nothing to split over the sequence, so the same
+            # weights run as plain tensor parallelism
+            plan = dataclasses.replace(plan, sequence_parallel=False)
             model = parallelize(model, plan, str(self.device.type))
         self.model = model.eval()
         self.config = model.config
@@ -155,9 +160,10 @@ def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    from autopar.models.hf import build_model
+    from autopar.runtime.source import build_from_source, describe_source
 
-    return build_model(str(model), device=device, dtype=torch.float32)
+    # the weights autopar run starts from (seed 0): the same on every rank and every call
+    return build_from_source(describe_source(str(model)), 0, device)
 
 
 def _from_artifact(directory: Path, device: torch.device) -> nn.Module:

@@ -114,3 +114,42 @@ def test_an_artifact_generates_with_its_trained_weights(tmp_path, hf_folder) -> 
         cli_here("compile", "tiny-llama", "--devices", "1", "--global-batch", "2", "--seq",
                  "16", "--out", str(tmp_path / "fresh"), "-q")
         autopar.Generator(tmp_path / "fresh")
+
+
+def test_a_prefix_tuned_model_generates_what_it_trains_on() -> None:
+    """Cached decoding of a Prefix-Tuning model (its positions after the prefix, the prefix
+    before the cached keys) gives the tokens of recomputing the whole sequence each step."""
+    from autopar.peft import apply_peft
+
+    model = _model("tiny-llama")
+    apply_peft(model, "method=prefix_tuning,num_virtual_tokens=4")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    cached = autopar.Generator(model).generate(ids, max_new_tokens=10)
+    with torch.no_grad():
+        for _ in range(10):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ids)
+
+
+def test_generate_on_the_command_line(tmp_path) -> None:
+    import json
+
+    from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": p}) + "\n" for p in PROMPTS))
+    result = run_cli("generate", "tiny-llama", "--prompts", str(prompts), "--max-new-tokens",
+                     "6")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line)["new_ids"] for line in result.stdout.splitlines()]
+    expected = autopar.Generator("tiny-llama").generate(PROMPTS, max_new_tokens=6)
+    assert rows == expected[:, -6:].tolist()
+    assert "tokens/s" in result.stderr
+    text = tmp_path / "q.txt"
+    text.write_text("hello\n")
+    _assert_one_line_error(cli_here("generate", "tiny-llama", "--prompts", str(text)),
+                           "needs a tokenizer", "--tokenizer")
+    _assert_one_line_error(cli_here("generate", "tiny-llama", "--prompts",
+                                    str(tmp_path / "none.jsonl")), "no such file")
+    _assert_one_line_error(cli_here("generate", "tiny-llama", "--prompts", str(prompts),
+                                    "--max-new-tokens", "0"), "max_new_tokens")

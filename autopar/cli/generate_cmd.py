@@ -1,0 +1,128 @@
+"""``autopar generate MODEL --prompts FILE``: cached generation from a model or an artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import click
+
+
+def read_prompts(path: str, tokenizer) -> list[list[int]]:
+    """Token-id prompts from FILE: JSONL lines with ``ids`` (a list of token ids) or
+    ``prompt``/``text`` (text, tokenized by ``tokenizer``), or a text file of one prompt per
+    line."""
+    from autopar.errors import PlanError
+
+    file = Path(path)
+    if not file.is_file():
+        raise PlanError(f"--prompts {path}: no such file; pass a JSONL of {{\"ids\": [...]}} or "
+                        f"{{\"prompt\": \"...\"}} lines, or a text file of one prompt per line")
+    prompts: list[list[int]] = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        text = line
+        if file.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise PlanError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object a "
+                                f"line") from None
+            if isinstance(record, dict) and isinstance(record.get("ids"), list):
+                prompts.append([int(i) for i in record["ids"]])
+                continue
+            text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise PlanError(f"{path}:{number}: expected \"ids\" (token ids) or \"prompt\" "
+                                f"(text)")
+        if tokenizer is None:
+            raise PlanError(f"{path}:{number}: a text prompt needs a tokenizer; pass --tokenizer "
+                            f"HF_FOLDER, or give token ids as {{\"ids\": [...]}}")
+        prompts.append(list(tokenizer(text)["input_ids"]))
+    if not prompts:
+        raise PlanError(f"--prompts {path} holds no prompts")
+    return prompts
+
+
+@click.command("generate")
+@click.argument("model")
+@click.option("--prompts", required=True,
+              help="JSONL of {\"ids\": [...]} or {\"prompt\": \"...\"} lines, or a text file "
+                   "of one prompt per line.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--sample", is_flag=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--eos", "eos_token_id", type=int, default=None, help="Stop token id.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
+@click.option("--tokenizer", default=None,
+              help="Hugging Face tokenizer folder for text prompts and output (default: "
+                   "MODEL's own, when it is a folder with one).")
+def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
+                 temperature: float, top_k: int | None, top_p: float | None,
+                 eos_token_id: int | None, seed: int, tokenizer: str | None) -> None:
+    """Generate from MODEL (a shipped name, a Hugging Face folder, or an artifact DIR with
+    its latest checkpoint) with a KV cache. One JSON line per prompt on stdout (its new token
+    ids, and text with a tokenizer); tokens/s on stderr. Under torchrun, an artifact's plan
+    (pp=1) lays the model out across the processes.
+
+    \b
+    Examples:
+      autopar generate tiny-llama --prompts prompts.jsonl --max-new-tokens 64
+      autopar generate ./Llama-3.2-1B --prompts questions.txt --sample --top-p 0.9
+      torchrun --nproc-per-node 2 -m autopar generate DIR --prompts prompts.jsonl
+    """
+    import torch.distributed as dist
+
+    from autopar.errors import PlanError
+    from autopar.runtime.generate import Generator
+
+    folder = tokenizer or (model if (Path(model) / "tokenizer_config.json").is_file() else None)
+    tok = None
+    if folder is not None:
+        from autopar.data.instruction import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(folder)
+    ids = read_prompts(prompts, tok)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = None
+    if world > 1:
+        from autopar.codegen import load_artifact
+
+        if not (Path(model) / "manifest.json").is_file():
+            raise PlanError(f"{world} processes need a plan: pass an artifact DIR, or run "
+                            f"without torchrun")
+        _, plan = load_artifact(model)
+        if plan.devices != world:
+            raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
+                            f"running; launch with torchrun --nproc-per-node {plan.devices}")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        generator = Generator(model, plan)
+        start = time.perf_counter()
+        out = generator.generate(ids, max_new_tokens=max_new_tokens, do_sample=sample,
+                                 temperature=temperature, top_k=top_k, top_p=top_p,
+                                 eos_token_id=eos_token_id, seed=seed)
+        seconds = time.perf_counter() - start
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    width = out.shape[1] - max(len(p) for p in ids)
+    new_total = 0
+    for row in out[:, out.shape[1] - width:].tolist():
+        if eos_token_id is not None and eos_token_id in row:  # the rest is padding
+            row = row[:row.index(eos_token_id) + 1]
+        new_total += len(row)
+        record = {"new_ids": row}
+        if tok is not None:
+            record["text"] = tok.decode(row, skip_special_tokens=True)
+        click.echo(json.dumps(record))
+    click.echo(f"generated {new_total} tokens for {len(ids)} prompts in {seconds:.2f} s: "
+               f"{new_total / seconds:.1f} tokens/s", err=True)
