@@ -68,10 +68,11 @@ class Generator:
 
     ``model`` is a Hugging Face causal LM (an ``nn.Module``), a shipped name or config path
     (random weights from seed 0, as ``autopar run`` starts), a Hugging Face folder with weights, or an artifact
-    directory (its latest checkpoint, adapters included). With ``plan`` (pp = 1), the model is
-    laid out as the plan says in the current process group (tensor parallelism splits the
-    attention by heads and with it the cache); every rank must call :meth:`generate` with
-    the same arguments and gets the same tokens.
+    directory (its latest checkpoint, adapters included). With ``plan``, the model is laid out
+    as the plan says in the current process group: tensor parallelism splits the attention by
+    heads and with it the cache; pipeline stages each run and cache their own layers
+    (:mod:`autopar.runtime.generate_stages`). Every rank must call :meth:`generate` with the
+    same arguments and gets the same tokens.
     """
 
     def __init__(self, model: nn.Module | str | Path, plan: Plan | None = None,
@@ -81,20 +82,55 @@ class Generator:
         if getattr(model, "config", None) is None or not hasattr(model, "get_output_embeddings"):
             raise PlanError(f"generation needs a Hugging Face causal LM (its config and cache); "
                             f"{type(model).__name__} is not one")
+        self.pp_group, self.first_layer, self.last_stage = None, 0, 0
         if plan is not None and plan.devices > 1:
-            if plan.mesh["pp"] > 1:
-                raise PlanError("generation under pipeline stages is not in autopar yet; "
-                                "re-plan with constraints pp=1")
             import dataclasses
-
-            from autopar.runtime.apply import parallelize
 
             # a decode step has one token: nothing to split over the sequence, so the same
             # weights run as plain tensor parallelism
             plan = dataclasses.replace(plan, sequence_parallel=False)
-            model = parallelize(model, plan, str(self.device.type))
+            if plan.mesh["pp"] > 1:
+                model = self._stages(model, plan)
+            else:
+                from autopar.runtime.apply import parallelize
+
+                model = parallelize(model, plan, str(self.device.type))
         self.model = model.eval()
         self.config = model.config
+
+    def _stages(self, model: nn.Module, plan: Plan) -> nn.Module:
+        """This rank's generation stage (:mod:`autopar.runtime.generate_stages`), its layers
+        split over tp as the plan says; each rank keeps whole copies of what it runs."""
+        from autopar.runtime.generate_stages import split_for_generation
+        from autopar.runtime.mesh import build_mesh
+        from autopar.runtime.tensor_parallel import apply_tensor_parallel
+
+        if plan.mesh["ep"] > 1:
+            raise PlanError("generation under pipeline stages with expert parallelism is not "
+                            "in autopar yet; re-plan with constraints ep=1 or pp=1")
+        mesh = build_mesh(plan, self.device.type)
+        self.pp_group = mesh["pp"].get_group()
+        self.first_layer, self.last_stage = split_for_generation(model, plan, self.pp_group)
+        if plan.mesh["tp"] > 1:
+            apply_tensor_parallel(model, plan, mesh["tp"], whole_logits=True)
+        return model
+
+    def _cache(self, max_len: int):
+        from transformers import StaticCache
+
+        if self.pp_group is None:
+            return StaticCache(config=self.config, max_cache_len=max_len)
+        from autopar.runtime.generate_stages import stage_cache
+
+        return stage_cache(self.config, max_len, self.first_layer)
+
+    def _agree(self, token: torch.Tensor) -> torch.Tensor:
+        """Under pipeline stages, the last stage's token on every rank."""
+        if self.pp_group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(token, group_src=self.last_stage, group=self.pp_group)
+        return token
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -120,10 +156,8 @@ class Generator:
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else \
             attention_mask.to(self.device, torch.long)
-        from transformers import StaticCache
-
         batch, prompt = input_ids.shape
-        cache = StaticCache(config=self.config, max_cache_len=prompt + max_new_tokens)
+        cache = self._cache(prompt + max_new_tokens)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
         generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
             else None
@@ -134,8 +168,8 @@ class Generator:
         position = positions[:, -1:]
         for step in range(max_new_tokens):
             last = _whole(logits[:, -1])
-            token = sample_next(last, temperature, top_k, top_p, generator) if do_sample \
-                else last.argmax(-1)
+            token = self._agree(sample_next(last, temperature, top_k, top_p, generator)
+                                if do_sample else last.argmax(-1))
             if eos_token_id is not None:
                 token = token.masked_fill(finished, pad_token_id)
                 finished |= token == eos_token_id

@@ -77,17 +77,28 @@ def _rank(rank: int, port: int, out, world: int, plan_dict: dict) -> None:
     run_in_group(rank, port, out, world, _generate_under, plan_dict)
 
 
+# plans from the search: tensor parallelism (the planner's full-size layout: attention split
+# by heads, so is the cache), pipeline stages (each caches its own layers; interleaved chunks
+# hand the hidden states on several times per token), and both
+PLANS = {"tp2": dict(tp=2, pp=1), "pp2": dict(pp=2, tp=1, schedule="1f1b"),
+         "pp2 interleaved": dict(pp=2, tp=1, schedule="interleaved", virtual_stages=2),
+         "pp2 x tp2": dict(pp=2, tp=2, schedule="1f1b")}
+
+
 @pytest.mark.dist
-def test_tensor_parallel_generation_gives_the_same_tokens() -> None:
-    """Under tp2 (the planner's full-size layout: attention split by heads, so is the cache)
-    both ranks produce one process's greedy tokens."""
+@pytest.mark.parametrize("case", list(PLANS))
+def test_parallel_generation_gives_one_process_tokens(case: str) -> None:
+    pins = PLANS[case]
+    devices = pins["pp"] * pins["tp"]
     graph = autopar.capture("tiny-llama", seq=32)
-    plan = autopar.plan(graph, devices=2, global_batch=2, constraints=dict(
-        tp=2, pp=1, dp=1, sequence_parallel=False, precision="fp32"))
-    plan = with_full_size_layout(plan, "tiny-llama")
-    assert plan.placements["params"]["model.layers.0.self_attn.k_proj.weight"] == "Shard(0)@tp"
+    plan = autopar.plan(graph, devices=devices, global_batch=4, constraints=dict(
+        pins, dp=1, sequence_parallel=False, precision="fp32"))
+    if pins["tp"] > 1:
+        plan = with_full_size_layout(plan, "tiny-llama")
+        assert plan.placements["params"]["model.layers.0.self_attn.k_proj.weight"] == \
+            "Shard(0)@tp"
     expected = autopar.Generator(_model("tiny-llama")).generate(PROMPTS, max_new_tokens=NEW)
-    (tokens,) = spawn_ranks(_rank, 2, (2, plan.to_dict()), timeout_s=180)
+    (tokens,) = spawn_ranks(_rank, devices, (devices, plan.to_dict()), timeout_s=180)
     assert tokens == expected.tolist()
 
 
