@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import queue
-import resource
 import shutil
 import tempfile
 from datetime import timedelta
@@ -27,18 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from spawned import status_bytes  # bench/ is on sys.path when run
 
 CONFIG = Path(__file__).resolve().parent / "data" / "tinyllama-1b.json"
 DEVICES, SEQ, BATCH, LIMIT = 4, 2048, 32, 0.40
-
-
-def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark (VmHWM). Not ru_maxrss: Linux carries that
-    across exec, so a spawned child would report its parent's peak at fork time."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def write_checkpoint(folder: Path, shard_bytes: int = 2**30) -> int:
@@ -86,10 +77,10 @@ def _rank(rank: int, port: int, out, source: dict, plan_dict: dict, program: str
     dist.init_process_group("gloo", rank=rank, world_size=DEVICES,
                             timeout=timedelta(seconds=600))
     try:
-        before = peak_rss_bytes()
+        before = status_bytes("VmHWM")
         trainer = Trainer(source, Plan.from_dict(plan_dict), program=load_program(program),
                           device="cpu", init_from=folder)
-        peak = peak_rss_bytes()
+        peak = status_bytes("VmHWM")
         out.put((rank, dict(before=before, peak=peak, read=trainer.weights.bytes_read,
                             local=trainer.init_report.local_bytes)))
         dist.barrier()

@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import queue
 import sys
 import tempfile
 import warnings
@@ -28,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from spawned import rank0_result, status_bytes  # bench/ is on sys.path when run
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
           "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -41,13 +40,6 @@ LORA = "method=lora,r=8,lora_alpha=16,target_modules=all-linear"
 WARMUP = dict(CONFIG, hidden_size=64, intermediate_size=128, num_attention_heads=2,
               num_key_value_heads=2, vocab_size=512)
 SEQ, BATCH, TOLERANCE = 128, 4, 0.20
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _plan(config_path: str, peft: str | None):
@@ -74,12 +66,12 @@ def _worker(rank: int, port: int, runs: list[tuple[str, dict]], steps: int, out)
     try:
         for config_path, plan_dict in runs:  # the warm-up, then the run measured
             gc.collect()
-            before = _status("VmRSS")
+            before = status_bytes("VmRSS")
             source, plan = describe_source(config_path), Plan.from_dict(plan_dict)
             trainer = Trainer(source, plan, program=generated_program(plan, source),
                               device="cpu")
             losses = trainer.train(steps)
-            grown = _status("VmHWM") - before
+            grown = status_bytes("VmHWM") - before
             del trainer
         dist.barrier()
         if rank == 0:
@@ -91,26 +83,7 @@ def _worker(rank: int, port: int, runs: list[tuple[str, dict]], steps: int, out)
 
 
 def _run(runs: list[tuple[str, object]], steps: int) -> tuple[int, float]:
-    from autopar.cost.profile_comm import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    runs = [(path, plan.to_dict()) for path, plan in runs]
-    procs = [ctx.Process(target=_worker, args=(r, port, runs, steps, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = out.get(timeout=900)
-    except queue.Empty:
-        status, payload = "error", "timed out"
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return rank0_result(_worker, 2, ([(path, plan.to_dict()) for path, plan in runs], steps))
 
 
 def main() -> int:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import resource
 import warnings
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
+from spawned import rank0_result  # bench/ is on sys.path when run
 
 MODEL = dict(vocab_size=8192, seq_len=256, d_model=512, n_layers=8, n_heads=8)
 WIDE = dict(MODEL, d_model=4096, n_heads=32)  # whose planned tp layout the tp cases copy
@@ -117,26 +116,7 @@ def _worker(rank: int, port: int, plan_dict: dict, steps: int, out) -> None:
 
 
 def _run(plan, steps: int):
-    from autopar.cost.profile_comm import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, plan.to_dict(), steps, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = out.get(timeout=600)
-    except queue.Empty:
-        status, payload = "error", "timed out"
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return rank0_result(_worker, 2, (plan.to_dict(), steps), timeout_s=600)
 
 
 def main() -> None:

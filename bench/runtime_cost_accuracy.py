@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import time
 import warnings
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
 from cost_accuracy import print_summary, quick_profile  # bench/ is on sys.path when run
+from spawned import rank0_result
 
 MODEL = dict(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8)
 GLOBAL_BATCH = 16
@@ -117,27 +116,7 @@ def _worker(rank: int, port: int, source: dict, plan_dict: dict, steps: int, out
 
 
 def measure(source: dict, plan, steps: int) -> float:
-    from autopar.cost.profile_comm import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, source, plan.to_dict(), steps, out),
-                         daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = out.get(timeout=900)
-    except queue.Empty:
-        payload, status = "no result in 900 s", "error"
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return rank0_result(_worker, WORLD, (source, plan.to_dict(), steps), timeout_s=900)
 
 
 def main() -> None:
