@@ -125,15 +125,14 @@ def _shift_positions(tokens: int):
     def hook(module, args, kwargs):
         if kwargs.get("position_ids") is not None:  # a caller's positions (a generator's)
             return args, {**kwargs, "position_ids": kwargs["position_ids"] + tokens}
-        if kwargs.get("position_ids") is None:
-            ids = args[0] if args else kwargs.get("input_ids")
-            if ids is None:
-                ids = kwargs["inputs_embeds"]
-            # on the weights' device, as the model makes its own positions (a pipeline
-            # traces a meta model on a real example)
-            device = next(module.parameters()).device
-            kwargs["position_ids"] = torch.arange(tokens, tokens + ids.shape[1],
-                                                  device=device).unsqueeze(0)
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs["inputs_embeds"]
+        # on the weights' device, as the model makes its own positions (a pipeline traces a
+        # meta model on a real example)
+        device = next(module.parameters()).device
+        kwargs["position_ids"] = torch.arange(tokens, tokens + ids.shape[1],
+                                              device=device).unsqueeze(0)
         return args, kwargs
     return hook
 

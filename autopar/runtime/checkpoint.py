@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,6 +219,27 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         return None
     path = root / pointer.read_text().strip()
     return path if (path / "meta.json").is_file() else None
+
+
+def artifact_checkpoint(directory: str | Path) -> Path:
+    """The latest complete checkpoint of artifact ``directory`` (in DIR/checkpoints); refused
+    in one line when its training has saved none."""
+    ckpt = latest_checkpoint(Path(directory) / "checkpoints")
+    if ckpt is None:
+        raise PlanError(f"no complete checkpoint in {Path(directory) / 'checkpoints'}; train "
+                        f"first (autopar run {directory} --steps N saves one at the end)")
+    return ckpt
+
+
+def read_tensors(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors of a distributed checkpoint, whole (no process group)."""
+    state = {f"model.{n}": torch.empty(tuple(stored[f"model.{n}"].size),
+                                       dtype=stored[f"model.{n}"].properties.dtype)
+             for n in names}
+    with warnings.catch_warnings():  # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return state
 
 
 def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:

@@ -20,14 +20,7 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-
-
-def _tokens(out: object) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out[0]
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from autopar.runtime.loss import full, logits_of
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int
@@ -161,13 +154,13 @@ class Generator:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
         generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
             else None
-        logits = _tokens(self.model(input_ids=input_ids, attention_mask=mask,
+        logits = logits_of(self.model(input_ids=input_ids, attention_mask=mask,
                                     position_ids=positions, cache=cache, use_cache=True))
         out = [input_ids]
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         position = positions[:, -1:]
         for step in range(max_new_tokens):
-            last = _whole(logits[:, -1])
+            last = full(logits[:, -1])
             token = self._agree(sample_next(last, temperature, top_k, top_p, generator)
                                 if do_sample else last.argmax(-1))
             if eos_token_id is not None:
@@ -178,7 +171,7 @@ class Generator:
                 break
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             position = position + 1
-            logits = _tokens(self.model(input_ids=token[:, None], attention_mask=mask,
+            logits = logits_of(self.model(input_ids=token[:, None], attention_mask=mask,
                                         position_ids=position, cache=cache, use_cache=True))
         return torch.cat(out, dim=1)
 
@@ -205,15 +198,11 @@ def _from_artifact(directory: Path, device: torch.device) -> nn.Module:
     import torch.distributed.checkpoint as dcp
 
     from autopar.codegen import load_artifact
-    from autopar.runtime.checkpoint import latest_checkpoint
-    from autopar.runtime.hf_export import read_tensors
+    from autopar.runtime.checkpoint import artifact_checkpoint, read_tensors
     from autopar.runtime.source import build_from_source
 
     manifest, plan = load_artifact(directory)
-    ckpt = latest_checkpoint(directory / "checkpoints")
-    if ckpt is None:
-        raise PlanError(f"no complete checkpoint in {directory / 'checkpoints'}; train first "
-                        f"(autopar run {directory} --steps N saves one at the end)")
+    ckpt = artifact_checkpoint(directory)
     model = build_from_source(manifest["model"], 0, device)
     if plan.peft:
         from autopar.peft import apply_peft

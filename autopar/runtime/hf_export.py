@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.models.hf import is_conv1d
 from autopar.peft.lora import merged
+from autopar.runtime.checkpoint import artifact_checkpoint, read_tensors
 from autopar.runtime.hf_layout import Piece, model_tensors, save_pieces
 from autopar.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
 
@@ -54,7 +54,6 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     import torch.distributed.checkpoint as dcp
 
     from autopar.codegen import load_artifact
-    from autopar.runtime.checkpoint import latest_checkpoint
     from autopar.runtime.source import build_from_source
 
     if dtype not in DTYPES:
@@ -67,10 +66,7 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     if source.get("kind") != "hf_config":
         raise PlanError(f"{directory} trains a {source.get('kind')} model, not a Hugging Face "
                         f"one; only models built from a transformers config export to --to hf")
-    ckpt = latest_checkpoint(Path(directory) / "checkpoints")
-    if ckpt is None:
-        raise PlanError(f"no complete checkpoint in {Path(directory) / 'checkpoints'}; train "
-                        f"first (autopar run {directory} --steps N saves one at the end)")
+    ckpt = artifact_checkpoint(directory)
     model = build_from_source(source, 0, "meta")  # the base model: what is written
     peft = None
     if plan.peft:
@@ -152,19 +148,6 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-
-
-def read_tensors(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named model tensors of a distributed checkpoint, whole (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    state = {f"model.{n}": torch.empty(tuple(stored[f"model.{n}"].size),
-                                       dtype=stored[f"model.{n}"].properties.dtype)
-             for n in names}
-    with warnings.catch_warnings():  # "assuming ... a single process": it is one
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    return state
 
 
 def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: str
