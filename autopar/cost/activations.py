@@ -194,3 +194,49 @@ def block_activation_bytes(
         total_stored = sum(stored.values())
         peak = sum(everything.values()) - total_stored
     return ActivationBreakdown(total_stored * scale, peak * scale)
+
+
+def forward_peak_bytes(graph: Graph, block: Block, tp: int = 1, scale: float = 1.0,
+                       layouts: TPLayouts | None = None, output_positions: int = 1) -> float:
+    """The most bytes live at once while ``block`` runs forward without autograd (a serving
+    prefill): each value lives from the op that writes it to the last op of the block that
+    reads it (views share their base's storage); the block's inputs live until their last
+    reader; the block's outputs stay. Values inside a tensor-parallel region are split. The
+    model's outputs (logits) are divided by ``output_positions``: a prefill computes them
+    for the last position only, not for each of the captured ones."""
+    layout = tp_layout(graph, block, layouts)
+    members = set(block.nodes)
+    order = {name: k for k, name in enumerate(block.nodes)}
+    last_use: dict[str, int] = {}
+    size: dict[str, float] = {}
+    inputs = {i.name: i.meta.nbytes for i in graph.inputs}
+    for name in block.nodes:
+        op = graph.op(name)
+        for src in op.inputs:
+            root = storage_root(graph, src)
+            last_use[root] = max(last_use.get(root, -1), order[name])
+            if root not in members and root not in size:
+                size[root] = float(graph.op(root).output_bytes if graph.has_op(root) else
+                                   inputs.get(root, 0))
+        if op.kind is not OpKind.VIEW:
+            size[name] = float(op.output_bytes) / (tp if tp > 1 and name in layout.sharded
+                                                   else 1)
+            if name in graph.outputs:
+                size[name] /= output_positions
+    end = len(block.nodes)
+    for name in block.nodes:  # what leaves the block outlives it
+        if any(user not in members for user in graph.dag.successors(name)):
+            last_use[storage_root(graph, name)] = end
+    live = sum(size[r] for r in size if r not in members)
+    peak = live
+    for k, name in enumerate(block.nodes):
+        if name in size and graph.op(name).kind is not OpKind.VIEW:
+            live += size[name]
+            peak = max(peak, live)
+        for root in {storage_root(graph, s) for s in graph.op(name).inputs}:
+            if last_use.get(root) == k and root in size:
+                live -= size[root]
+        if last_use.get(name, -1) < k and name in size and \
+                graph.op(name).kind is not OpKind.VIEW:
+            live -= size[name]  # written and never read inside the block
+    return peak * scale

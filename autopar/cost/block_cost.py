@@ -7,14 +7,14 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, replace
 
-from autopar.cost.activations import block_activation_bytes, storage_root
+from autopar.cost.activations import block_activation_bytes, forward_peak_bytes, storage_root
 from autopar.cost.comm import axis_collective_time
 from autopar.cost.compute import op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
-from autopar.cost.tp_layout import attention_core, tp_layout, vocab_parallel
+from autopar.cost.tp_layout import attention_core, cache_split, tp_layout, vocab_parallel
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 from autopar.peft import is_prefix_param
 
@@ -49,6 +49,9 @@ class BlockCost:
     # than all when fine-tuning freezes the base weights
     trainable_dense: float = 0.0
     trainable_expert: float = 0.0
+    # of tp_comm_s, the forward's collectives (all of a forward-only pass's communication)
+    tp_fwd_comm_s: float = 0.0
+    forward_peak_bytes: float = 0.0  # live at once in a forward without autograd (prefill)
 
 
 def captured_batch(graph: Graph) -> int:
@@ -56,6 +59,14 @@ def captured_batch(graph: Graph) -> int:
     for inp in graph.inputs:
         if inp.meta.shape:
             return inp.meta.shape[0]
+    return 1
+
+
+def captured_seq(graph: Graph) -> int:
+    """Tokens per sequence the graph was captured with (a serving plan's context)."""
+    for inp in graph.inputs:
+        if len(inp.meta.shape) > 1:
+            return inp.meta.shape[1]
     return 1
 
 
@@ -117,7 +128,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     recompute_s = fwd if recompute == "full" else core_s
     # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
     # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
-    tp_comm = 0.0
+    tp_comm = tp_fwd_comm = 0.0
     if tp > 1:
         kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         fwd_bytes = [graph.op(n).output_bytes * byte_scale for n in layout.row]
@@ -127,8 +138,9 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         per = [sum(axis_collective_time(k, b, config, "tp", cluster) for k in kinds)
                for b in fwd_bytes + bwd_bytes]
         tp_comm = sum(per)
+        tp_fwd_comm = sum(per[: len(fwd_bytes)])
         if recompute == "full":
-            tp_comm += sum(per[: len(fwd_bytes)])
+            tp_comm += tp_fwd_comm
     ep_comm = 0.0
     if config.ep > 1:
         dispatch = [graph.op(n) for n in block.nodes
@@ -139,6 +151,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
                                   scale=byte_scale, layouts=config.tp_layouts)
     kv = 0.0
+    kv_split = cache_split(graph, block, layout, tp)
     for name in block.nodes:
         op = graph.op(name)
         if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3 and "scaled_dot" in op.target:
@@ -146,7 +159,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             for i in (1, 2):
                 root = storage_root(graph, op.inputs[i])
                 src = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
-                kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / tp
+                kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / kv_split
     dense = expert = trainable_dense = trainable_expert = 0.0
     for p in block.params:
         info = graph.params.get(p)
@@ -162,7 +175,9 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
     return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
                      acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params),
-                     trainable_dense, trainable_expert)
+                     trainable_dense, trainable_expert, tp_fwd_comm,
+                     forward_peak_bytes(graph, block, tp, byte_scale, config.tp_layouts,
+                                        captured_seq(graph)))
 
 
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,

@@ -10,6 +10,7 @@ from autopar.cost.block_cost import (
     cached_block_traffic,
     captured_batch,
     captured_float_bytes,
+    captured_seq,
     graph_memo,
     resolve_precision,
 )
@@ -73,6 +74,10 @@ class Estimate:
     offload_s: float
     host_bytes_per_node: float = 0.0
     precision: Precision | None = None
+    # task="infer": step_time_s is one decoding step of every concurrent sequence; the prompt's
+    # forward (prefill) and the context the caches hold are these
+    prefill_s: float = 0.0
+    context: int = 0
 
     def fits(self, capacity_bytes: float, host_capacity_bytes: float = float("inf")) -> bool:
         """Every device within ``capacity_bytes`` and the offloaded state within host memory."""
@@ -147,8 +152,9 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
                            + max(c.recompute_peak_bytes for c, _ in blocks))
     else:
         mem.params = (dense + expert) * precision.param_bytes
-        mem.kv_cache = sum(c.kv_cache_bytes * k for c, k in blocks)
-        mem.activations = max(c.activation_bytes + c.recompute_peak_bytes for c, _ in blocks)
+        # every micro-batch's sequences keep their caches between decoding steps
+        mem.kv_cache = sum(c.kv_cache_bytes * k for c, k in blocks) * config.num_microbatches
+        mem.activations = max(c.forward_peak_bytes for c, _ in blocks)
     return mem, held
 
 
@@ -188,8 +194,10 @@ def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stag
         mem.buffers += 2 * DDP_BUCKET_BYTES  # two gradient buckets in flight
     if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
         out = sum(graph.op(n).output_bytes for n in graph.outputs if graph.has_op(n))
-        mem.buffers += 2 * out * config.microbatch_size / captured_batch(graph) * (
+        logits = out * config.microbatch_size / captured_batch(graph) * (
             4 / captured_float_bytes(graph)) / config.tp
+        # a serving prefill keeps only the last position's logits (no gradient)
+        mem.buffers += 2 * logits if train else logits / captured_seq(graph)
     return costs, mem, host_bytes, offload_s
 
 
@@ -212,7 +220,9 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     costs, mem, host_bytes, offload_s = stage_footprint(graph, config, cluster, stage, blocks,
                                                         train, modes, block_costs)
     replicated = config.dp * config.ep > 1
-    tp_fwd = [c.tp_comm_s * (0.5 if train else 1.0) + c.ep_comm_s / 2 for c in costs]
+    # a forward-only pass (prefill) runs the forward's collectives only
+    tp_fwd = [(c.tp_comm_s * 0.5 if train else c.tp_fwd_comm_s) + c.ep_comm_s / 2
+              for c in costs]
     tp_bwd = [c.tp_comm_s * 0.5 + c.ep_comm_s / 2 for c in costs] if train else \
         [0.0] * len(costs)
     compute_fwd = [c.fwd_s for c in costs]
@@ -298,14 +308,18 @@ def combine_stages(graph: Graph, cluster: Cluster, config: ParallelConfig,
 
 def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
              task: str = "train") -> Estimate:
-    """Predict one optimizer step (train/finetune) or one forward pass (infer)."""
+    """Predict one optimizer step (train/finetune) or, for infer, one decoding step of every
+    concurrent sequence with the prompt's prefill beside it (:mod:`autopar.cost.serving`)."""
     cluster = load_cluster(cluster)
     config = resolve_precision(config, cluster)
+    if task == "infer":
+        from autopar.cost.serving import serving_estimate
+
+        return serving_estimate(graph, cluster, config)
     stages = config.stages or balanced_stages(graph, config.pp)
-    train = task != "infer"
-    stage_costs = [stage_cost(graph, config, cluster, s, blocks, train)
+    stage_costs = [stage_cost(graph, config, cluster, s, blocks, True)
                    for s, blocks in enumerate(stages)]
-    return combine_stages(graph, cluster, config, stage_costs, train)
+    return combine_stages(graph, cluster, config, stage_costs, True)
 
 
 __all__ = ["Estimate", "StageCost", "balanced_stages", "combine_stages", "estimate",

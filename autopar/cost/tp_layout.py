@@ -89,6 +89,16 @@ def vocab_parallel(graph: Graph, op_name: str, tp: int, enabled: bool = True) ->
     return bool(shape) and shape[0] % tp == 0
 
 
+def cache_split(graph: Graph, block: Block, layout: TPLayout, tp: int) -> int:
+    """How many ways tensor parallelism splits a block's KV cache: tp, or the kv heads when tp
+    exceeds them (each rank then holds the one head its query heads read), or 1 when the
+    attention stays whole on every rank."""
+    if tp <= 1 or not any(graph.op(n).kind is OpKind.ATTENTION and n in layout.sharded
+                          for n in block.nodes):
+        return 1
+    return min(tp, min(layout.kv.values())) if layout.kv else tp
+
+
 def attention_core(graph: Graph, block: Block) -> set[str]:
     """Ops from each attention module's first attention op (score matmul or fused SDPA) to its
     last (value matmul): what selective recompute recomputes."""

@@ -66,6 +66,12 @@ class Predicted:
     model_flops: float = 0.0  # per step, without recompute: the MFU numerator
     # the step if every collective were 1.5x slower, and if overlap were halved
     sensitivity: dict[str, float] = field(default_factory=dict)
+    # task="infer": step_time_s is one decoding step of every concurrent sequence
+    prefill_s: float = 0.0  # the prompts' forward, all concurrent sequences
+    decode_s_per_token: float = 0.0  # each decoding step at the planned concurrency
+    context: int = 0  # positions each sequence's cache holds (the decoding step's worst case)
+    kv_cache_bytes: float = 0.0  # on the most loaded device
+    max_concurrency: int = 0  # the most sequences this plan's layout holds in memory
 
     def __getitem__(self, key: str) -> object:  # plan.predicted["mfu"] works too
         return getattr(self, key)

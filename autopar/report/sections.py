@@ -48,6 +48,8 @@ def summary_section(d: dict) -> Section:
         ("by kind", ", ".join(f"{MEMORY_LABELS[k]} {fmt.nbytes(mem.get(k, 0.0))}"
                               for k in MEMORY_KINDS)),
     ]
+    if s.get("serving"):
+        pairs = _serving_pairs(s) + pairs[-2:]
     if s["host_bytes_per_node"]:
         pairs.append(("host memory", f"{fmt.nbytes(s['host_bytes_per_node'])} per node "
                                      f"(offloaded state)"))
@@ -118,13 +120,16 @@ def breakdown_section(d: dict) -> Section | None:
     rows = [[TIME_LABELS[t], fmt.seconds(b[t]), fmt.pct(b[t] / step if step else 0)]
             for t in TIME_TERMS if b.get(t)]
     rows.append(["step", fmt.seconds(step), "100.0%"])
-    return Section(f"Step time, along the bottleneck stage {d['bottleneck_stage']}",
+    what = "Decoding step" if d["summary"].get("serving") else "Step time"
+    return Section(f"{what}, along the bottleneck stage {d['bottleneck_stage']}",
                    headers=["term", "time", "share"], rows=rows, numeric={1, 2},
                    anchor="breakdown")
 
 
 def stage_time_section(d: dict) -> Section:
     """Per stage: compute, recompute, communication and bubble per step."""
+    if d["summary"].get("serving"):
+        return _decode_stage_section(d)
     rows = []
     for r in d["stages"]:
         rows.append([str(r["stage"]), f"{r['first']} .. {r['last']} ({r['num_blocks']})",
@@ -138,6 +143,22 @@ def stage_time_section(d: dict) -> Section:
                    lines=["communication = tensor/expert-parallel collectives of every "
                           "micro-batch + the exposed data-parallel traffic; bubble = the "
                           "stage's idle time in the pipelined forward/backward"])
+
+
+def _decode_stage_section(d: dict) -> Section:
+    """Per stage of a serving plan: one decoding pass, and its compute and collectives."""
+    rows = [[str(r["stage"]), f"{r['first']} .. {r['last']} ({r['num_blocks']})",
+             fmt.seconds(r["fwd_s"]), fmt.seconds(r["compute_s"] / d["summary"][
+                 "num_microbatches"]),
+             fmt.seconds(r["comm_s"] / d["summary"]["num_microbatches"]),
+             fmt.seconds(r["bubble_s"])] for r in d["stages"]]
+    return Section("Stages: one decoding pass",
+                   headers=["stage", "blocks", "pass", "weights, cache and compute",
+                            "collectives", "idle per step"],
+                   rows=rows, numeric={2, 3, 4, 5}, anchor="stage-time",
+                   lines=["a pass moves one micro-batch (without stages: every sequence) one "
+                          "token through the stage; collectives are tensor/expert-parallel, "
+                          "at their latency"])
 
 
 def stage_memory_section(d: dict) -> Section:
@@ -217,6 +238,30 @@ def block_section(d: dict) -> Section:
                    rows=rows, numeric={2}, anchor="blocks",
                    lines=["`autopar explain PLAN --block K` shows a block's sharding, its "
                           "alternatives and their costs"])
+
+
+def _serving_pairs(s: dict) -> list[tuple[str, str]]:
+    """A serving plan's summary: the decoding step, the prefill, the cache and what fits."""
+    serving, m = s["serving"], s["mesh"]
+    n, ctx = s["global_batch"], serving["context"]
+    pairs = [
+        ("mesh", fmt.mesh(m)),
+        ("concurrency", f"{n} sequences of up to {ctx} tokens = dp*ep {m['dp'] * m['ep']} x "
+                        f"{s['num_microbatches']} micro-batches of {s['microbatch_size']}"
+                        + (" taking turns on the stages" if m["pp"] > 1 else
+                           ", decoded together")),
+        ("decode", f"{fmt.seconds(serving['decode_s_per_token'])} per token for each "
+                   f"sequence (the step with every cache full)"),
+        ("prefill", f"{fmt.seconds(serving['prefill_s'])} for all {n} prompts of {ctx} "
+                    f"tokens, {s['microbatch_size']} at a time"),
+        ("throughput", f"{fmt.count(s['tokens_per_s'])} generated tokens/s, MFU "
+                       f"{fmt.pct(s['mfu'])}"),
+        ("KV cache", f"{fmt.nbytes(serving['kv_cache_bytes'])} per device"),
+    ]
+    if serving.get("max_concurrency"):
+        pairs.append(("fits", f"at most {serving['max_concurrency']} concurrent sequences of "
+                              f"{ctx} tokens in this layout"))
+    return pairs
 
 
 def sections(d: dict) -> list[Section]:

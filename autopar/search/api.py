@@ -38,6 +38,7 @@ def plan(
     progress: Progress | None = None,
     seq: int | None = None,
     peft: object = None,
+    max_token_latency_ms: float | None = None,
 ) -> Plan:
     """Find the fastest plan for ``model`` on ``devices`` devices of ``cluster``.
 
@@ -50,7 +51,13 @@ def plan(
     (default: the constraints' model seq_length, else the config's context, at most 4096).
     ``peft`` (task="finetune") names a parameter-efficient method, e.g. ``{"method": "lora",
     "r": 8, "lora_alpha": 16, "target_modules": [...]}`` (see :mod:`autopar.peft`): the base
-    weights are frozen, and ``plan.trainable_params`` counts what trains. Raises
+    weights are frozen, and ``plan.trainable_params`` counts what trains.
+
+    ``task="infer"`` plans serving: ``global_batch`` concurrent sequences whose caches hold
+    ``seq`` positions; the plan minimises the decoding step (``plan.predicted.
+    decode_s_per_token``), and reports the prefill and the KV cache. With
+    ``max_token_latency_ms`` it instead maximises tokens per second: the concurrency up to
+    ``global_batch`` whose decoding step stays within the bound. Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
     if task not in TASKS:
@@ -111,11 +118,26 @@ def plan(
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
-    layouts, sharding = solve_layouts(graph, tps, hw, precision.compute)
-    result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
-                    time_limit_s=time_limit_s, progress=progress, defaults=defaults,
-                    layouts=layouts)
+    layouts, sharding = solve_layouts(graph, tps, hw, precision.compute,
+                                      decode=task == "infer")
+    if task == "infer":
+        from autopar.search.serving import serving_plan_search
+
+        result, global_batch = serving_plan_search(
+            graph, facts, hw, devices, global_batch, pins, capacity, defaults, layouts,
+            max_token_latency_ms, progress)
+    else:
+        if max_token_latency_ms is not None:
+            raise PlanError("max_token_latency_ms bounds a serving plan's decoding step: it "
+                            "needs task='infer'")
+        result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
+                        time_limit_s=time_limit_s, progress=progress, defaults=defaults,
+                        layouts=layouts)
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
+    if task == "infer":
+        from autopar.search.serving import max_concurrency
+
+        plan.predicted.max_concurrency = max_concurrency(graph, hw, result.config, capacity)
     if task == "finetune":
         plan.peft = dict(graph.peft)
         plan.trainable_params = facts.trainable_params

@@ -46,6 +46,8 @@ def breakdown(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     plus its once-per-step collectives; optimizer and offload are the slowest stage tail's.
     """
     m = config.num_microbatches
+    if task == "infer":
+        return _decode_breakdown(est, m)
     k = max(range(len(est.stages)), key=lambda i: est.stages[i].fwd_s + est.stages[i].bwd_s)
     stage = est.stages[k]
     tail = max(est.stages, key=lambda s: s.tail_s)
@@ -56,6 +58,23 @@ def breakdown(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
         "dp_comm_s": m * stage.dp_microbatch_s + tail.dp_exposed_s,
         "optimizer_s": tail.optimizer_s, "offload_s": tail.offload_s,
     })
+
+
+def _decode_breakdown(est: Estimate, m: int) -> dict[str, float]:
+    """A decoding step as terms that add up to it: when one token's trip through the stages
+    sets the pace, every stage's compute and collectives plus the hand-offs between them
+    (as bubble); when the busiest stage does, its ``m`` micro-batches."""
+    terms = dict.fromkeys(("compute_s", "recompute_s", "comm_s", "bubble_s", "dp_comm_s",
+                           "optimizer_s", "offload_s"), 0.0)
+    if est.bubble_s > 0:
+        terms["compute_s"] = sum(s.compute_s for s in est.stages)
+        terms["comm_s"] = sum(s.comm_s for s in est.stages)
+        terms["bubble_s"] = est.step_time_s - terms["compute_s"] - terms["comm_s"]
+    else:
+        stage = max(est.stages, key=lambda s: s.fwd_s)
+        terms["compute_s"] = m * stage.compute_s
+        terms["comm_s"] = m * stage.comm_s
+    return _rounded(terms)
 
 
 def _p2p_s(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estimate) -> float:
@@ -104,7 +123,10 @@ def predicted(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
         breakdown=breakdown(graph, cluster, config, est, task),
         pipeline_s=round6(pipeline), p2p_s=round6(p2p), p2p_steady_s=round6(steady_send),
         optimizer_s=round6(est.optimizer_s), offload_s=round6(est.offload_s),
-        model_flops=round6(est.model_flops), sensitivity=_rounded(checks))
+        model_flops=round6(est.model_flops), sensitivity=_rounded(checks),
+        **({"prefill_s": round6(est.prefill_s), "decode_s_per_token": round6(est.step_time_s),
+            "context": est.context, "kv_cache_bytes": round6(est.memory.kv_cache)}
+           if task == "infer" else {}))
 
 
 def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estimate,

@@ -144,6 +144,34 @@ def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str
     return seconds
 
 
+_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def _decode_op_seconds(graph: Graph, op: OpNode, strategy: str, tp: int, cluster: Cluster,
+                       dtype: str, kv_heads: int = 1) -> float:
+    """One op's share of a decoding step of one sequence under one strategy: the bytes it
+    reads (its weight, or for attention one sequence's cached keys and values) over the
+    memory bandwidth, with the all-reduce of one token's output after a row-parallel linear.
+    A decoding step is bound by these reads (see :mod:`autopar.cost.decode`), which split
+    over tp where the tile and wave effects of a long captured sequence would not."""
+    divisor = tp if strategy in ("C", "W", "S") else kv_heads if strategy == "G" else 1
+    device = cluster.device
+    shape = graph.inputs[0].meta.shape if graph.inputs else ()
+    batch = shape[0] if shape else 1
+    tokens = batch * (shape[1] if len(shape) > 1 else 1)
+    nbytes = op.output_bytes / tokens
+    if op.kind is OpKind.ATTENTION:
+        nbytes += sum(m.nbytes for m in op.input_meta[1:3]) / batch
+    elif op.kind is not OpKind.EMBEDDING:
+        nbytes += sum(graph.params[p].numel for p in op.params if p in graph.params) * \
+            _DTYPE_BYTES.get(dtype, 2)
+    seconds = nbytes / divisor / (device.memory_bandwidth * device.efficiency.memory)
+    if strategy == "W":
+        seconds += axis_collective_time("all_reduce", op.output_bytes / tokens,
+                                        ParallelConfig(tp=tp), "tp", cluster)
+    return seconds
+
+
 STRATEGY_NAMES = {"R": "replicate", "C": "column", "W": "row", "S": "split",
                   "G": "kv-replicated"}
 
@@ -173,8 +201,10 @@ def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: s
 
 
 def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16",
-                time_limit_s: float = 5.0) -> ShardingSolution:
-    """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT)."""
+                time_limit_s: float = 5.0, decode: bool = False) -> ShardingSolution:
+    """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT).
+    With ``decode`` the objective is one serving decoding step instead of a training step
+    (:func:`_decode_op_seconds`; no backward, so no input all-reduces)."""
     # the model's own activations (a frozen layer's too): the runtime slices none of them
     # for free; only inputs such as masks and rotary tables are sliced without cost
     grad = requires_grad(graph, frozen_count=False)
@@ -194,7 +224,8 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         options = _strategies(graph, name, tp, kv)
         for s in options:
             x[name, s] = model.NewBoolVar(f"{name}_{s}")
-            seconds = _op_seconds(op, s, tp, cluster, dtype, kv.get(name, 1))
+            seconds = (_decode_op_seconds(graph, op, s, tp, cluster, dtype, kv.get(name, 1))
+                       if decode else _op_seconds(op, s, tp, cluster, dtype, kv.get(name, 1)))
             cost_terms.append(int(round(seconds * ns)) * x[name, s])
         model.AddExactlyOne(x[name, s] for s in options)
         if any(succ not in members for succ in graph.dag.successors(name)):
@@ -228,7 +259,7 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                     else:
                         model.Add(t == 0)
             for s in ("C", "G"):  # one backward all-reduce per distinct column input
-                if (name, s) not in x or i != 0:
+                if decode or (name, s) not in x or i != 0:
                     continue
                 if src not in allreduce_inputs:
                     allreduce_inputs[src] = model.NewBoolVar(f"ar_{src}")
@@ -278,10 +309,11 @@ def _adapter_ties(graph: Graph, block: Block) -> list[tuple[str, str, str]]:
     return ties
 
 
-def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16"
-                  ) -> tuple[dict[int, TPLayouts], list[ShardingSolution]]:
+def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16",
+                  decode: bool = False) -> tuple[dict[int, TPLayouts], list[ShardingSolution]]:
     """Solve every block type at every degree in ``tps`` (> 1): the layouts per degree, for
-    ``ParallelConfig.tp_layouts``, and the solver's reports."""
+    ``ParallelConfig.tp_layouts``, and the solver's reports; ``decode`` solves for a
+    serving decoding step (task="infer")."""
     solutions = []
     layouts: dict[int, TPLayouts] = {}
     first_of_type: dict[int, Block] = {}
@@ -292,7 +324,7 @@ def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "
             continue
         by_type = []
         for block in first_of_type.values():
-            sol = solve_block(graph, block, tp, cluster, dtype)
+            sol = solve_block(graph, block, tp, cluster, dtype, decode=decode)
             by_type.append((block.type_id, BlockLayout(tuple(sol.column), tuple(sol.row),
                                                        tuple(sol.sharded), tuple(sol.kv))))
             solutions.append(sol)

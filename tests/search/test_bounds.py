@@ -1,5 +1,5 @@
 """The planner's bounds are sound: over random configurations of every kind (pipelines with any
-stage partition and interleaving, ZeRO 0-3, offload, expert parallelism, inference, every
+stage partition and interleaving, ZeRO 0-3, offload, expert parallelism, every
 precision and engine), no lower bound exceeds what the cost model says."""
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _random_config(rng: random.Random, graph, facts) -> tuple[ParallelConfig, st
     if schedule == "interleaved":
         m = pp * rng.choice([1, 2])
         v = rng.choice([v for v in (1, 2, 3, 4) if v * pp <= n])
-    task = rng.choice(["train", "train", "train", "infer"])
+    # serving plans (task="infer") are searched whole, without these bounds
+    task = "train"
     config = ParallelConfig(
         dp=dp, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and rng.random() < 0.5,
         zero_stage=rng.choice([0, 1, 2, 3]) if task == "train" else 0,
@@ -83,8 +84,8 @@ def test_lower_bounds_never_exceed_the_estimate(graphs, name: str) -> None:
         assert floor <= capacity * (1 + 1e-9), (config, task, floor, capacity)
         kinds.add((config.pp > 1, config.ep > 1, bool(config.offload), task,
                    config.schedule == "interleaved" and config.virtual_stages > 1))
-    # the draw covered pipelines, interleaving, offload and inference (and experts for MoE)
-    assert {k[0] for k in kinds} == {True, False} and {k[3] for k in kinds} == {"train", "infer"}
+    # the draw covered pipelines, interleaving and offload (and experts for MoE)
+    assert {k[0] for k in kinds} == {True, False}
     assert any(k[2] for k in kinds) and any(k[4] for k in kinds)
     if name == "tiny-mixtral":
         assert any(k[1] for k in kinds)
