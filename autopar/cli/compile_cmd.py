@@ -76,7 +76,8 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
                 emit: tuple[str, ...], fmt: str, quiet: bool) -> None:
     """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
     plan.yaml, manifest.json and train.py, the training program generated from the plan
-    (`autopar run DIR` and `torchrun DIR/train.py` run it).
+    (`autopar run DIR` and `torchrun DIR/train.py` run it). With --task infer, generate.py
+    instead: the generation program (`autopar run DIR --generate --prompts FILE` serves it).
 
     MODEL is a shipped config name (autopar inspect --list), a Hugging Face config.json or its
     folder, a Python module:factory, or an .onnx file. Read the result again with
@@ -129,19 +130,25 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         from autopar.codegen import compile_artifact
 
         path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
-        from autopar.codegen.artifact import EDITED_FILE
+        from autopar.codegen.artifact import edited_file
 
-        edited = out_dir / EDITED_FILE  # only ever there when this compile kept one
-        if edited.is_file():
-            click.echo(f"autopar: your edited train.py is kept as {edited}", err=True)
+        for name in ("train.py", "generate.py"):
+            edited = out_dir / edited_file(name)  # only ever there when this compile kept one
+            if edited.is_file():
+                click.echo(f"autopar: your edited {name} is kept as {edited}", err=True)
     if fmt == "json":
         click.echo(json.dumps({**result.to_dict(), "plan_file": str(path)}, indent=2))
     else:
         click.echo(result.report(), nl=False)
         click.echo(f"\nwrote {path}")
         if not quiet:
-            hints = [(f"torchrun --nproc-per-node {result.devices} {out_dir}/train.py",
-                      "train it (the generated program)"),
+            launch = f"torchrun --nproc-per-node {result.devices}" if result.devices > 1 \
+                else "python"
+            first = (f"{launch} {out_dir}/generate.py --prompts FILE",
+                     "serve it (the generated program)") if result.task == "infer" else \
+                (f"torchrun --nproc-per-node {result.devices} {out_dir}/train.py",
+                 "train it (the generated program)")
+            hints = [first,
                      (f"autopar report {out_dir} --out report.html", "the report with plots"),
                      (f"autopar explain {out_dir} --block K", "why this sharding"),
                      (f"autopar diff {out_dir} OTHER_PLAN", "compare two plans")]

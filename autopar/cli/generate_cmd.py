@@ -114,15 +114,20 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    width = out.shape[1] - max(len(p) for p in ids)
-    new_total = 0
-    for row in out[:, out.shape[1] - width:].tolist():
-        if eos_token_id is not None and eos_token_id in row:  # the rest is padding
-            row = row[:row.index(eos_token_id) + 1]
-        new_total += len(row)
-        record = {"new_ids": row}
-        if tok is not None:
-            record["text"] = tok.decode(row, skip_special_tokens=True)
+    from autopar.runtime.generate import new_tokens
+
+    print_generated(new_tokens(out, ids, eos_token_id), tok, seconds)
+
+
+def print_generated(rows: list[list[int]], tokenizer, seconds: float) -> None:
+    """One JSON line per prompt on stdout, its new token ids (and their text with a
+    ``tokenizer``); the count and tokens/s on stderr."""
+    total = 0
+    for row in rows:
+        total += len(row)
+        record: dict = {"new_ids": row}
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(row, skip_special_tokens=True)
         click.echo(json.dumps(record))
-    click.echo(f"generated {new_total} tokens for {len(ids)} prompts in {seconds:.2f} s: "
-               f"{new_total / seconds:.1f} tokens/s", err=True)
+    click.echo(f"generated {total} tokens for {len(rows)} prompts in {seconds:.2f} s: "
+               f"{total / max(seconds, 1e-9):.1f} tokens/s", err=True)

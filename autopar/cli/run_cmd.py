@@ -1,4 +1,5 @@
-"""``autopar run DIR``: train an artifact under torchrun (or as one process)."""
+"""``autopar run DIR``: train an artifact under torchrun (or as one process); ``--generate``
+serves a generation artifact (compiled with ``--task infer``) from its generate.py."""
 
 from __future__ import annotations
 
@@ -22,25 +23,27 @@ def _device_type(cluster: str, override: str | None) -> str:
         return "cpu"
 
 
-def _program(directory: str, manifest: dict, plan) -> object:
-    """The training program to run, as a module: DIR/train.py as autopar wrote it, regenerated
-    when plan.yaml changed since (one process per machine writes it), or as the user edited
-    it (kept, and said so)."""
+def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) -> object:
+    """The program to run, as a module: DIR/train.py (DIR/generate.py for a plan of task
+    "infer") as autopar wrote it, regenerated when plan.yaml changed since (one process per
+    machine writes it), or as the user edited it (kept, and said so); refused in one line when
+    it lacks a function of ``needs``."""
     from pathlib import Path
 
-    from autopar.codegen import PROGRAM_FILE, load_program, program_state, regenerate_program
+    from autopar.codegen import load_program, program_file, program_state, regenerate_program
     from autopar.codegen.program import digest
     from autopar.errors import PlanError
 
-    path = Path(directory) / PROGRAM_FILE
-    state = program_state(directory)
+    name = program_file(plan)
+    path = Path(directory) / name
+    state = program_state(directory, name)
     speak = int(os.environ.get("RANK", "0")) == 0
     note = None
     if state in ("missing", "stale"):
         writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
         text = regenerate_program(directory, plan, manifest, write=writer)
-        note = (f"{PROGRAM_FILE} was missing" if state == "missing" else
-                f"plan.yaml changed since {PROGRAM_FILE} was generated") + ": regenerated it"
+        note = (f"{name} was missing" if state == "missing" else
+                f"plan.yaml changed since {name} was generated") + ": regenerated it"
     else:
         text = path.read_text()
         if state == "edited":
@@ -57,6 +60,10 @@ def _program(directory: str, manifest: dict, plan) -> object:
     except Exception as exc:  # noqa: BLE001 - a hand-edited program's own error, in one line
         raise PlanError(f"{path} fails to load ({type(exc).__name__}: {exc}); fix it, or "
                         f"delete it to regenerate it from plan.yaml") from None
+    missing = [f for f in needs if not callable(getattr(program, f, None))]
+    if missing:
+        raise PlanError(f"{path} defines no {missing[0]}(), which autopar run calls; restore "
+                        f"it, or delete the file to regenerate it from plan.yaml")
     if note and speak:
         click.echo(f"autopar: {note}", err=True)
     return program
@@ -69,7 +76,8 @@ def _program(directory: str, manifest: dict, plan) -> object:
               help="'synthetic' (deterministic random tokens) or a token dataset PREFIX from "
                    "`autopar data prepare`.")
 @click.option("--seed", default=0, show_default=True, type=int,
-              help="Seeds the weights and the synthetic data.")
+              help="Seeds the weights and the synthetic data (with --generate: the "
+                   "sampling draws).")
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--device", type=click.Choice(sorted(_BACKENDS)), default=None,
               help="Device type [default: the plan cluster's].")
@@ -80,11 +88,33 @@ def _program(directory: str, manifest: dict, plan) -> object:
 @click.option("--init-from", type=click.Path(exists=True), default=None,
               help="Start from a Hugging Face checkpoint (a save_pretrained folder of "
                    "safetensors): each rank reads only its slices.")
+@click.option("--generate", "serving", is_flag=True,
+              help="Serve a generation artifact (compiled with --task infer) with its "
+                   "generate.py: the latest checkpoint's weights, else the seed-0 ones.")
+@click.option("--prompts", default=None,
+              help="With --generate: JSONL of {\"ids\": [...]} or {\"prompt\": \"...\"} lines, "
+                   "or a text file of one prompt per line.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int,
+              help="With --generate: new tokens per prompt, at most.")
+@click.option("--sample", is_flag=True, help="With --generate: sample instead of greedy "
+                                             "decoding (--seed seeds the draws).")
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--eos", "eos_token_id", type=int, default=None,
+              help="With --generate: the stop token id.")
+@click.option("--tokenizer", default=None,
+              help="With --generate: a Hugging Face tokenizer folder for text prompts and "
+                   "output.")
 def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
             device: str | None, checkpoint_every: int, resume: bool,
-            init_from: str | None) -> None:
+            init_from: str | None, serving: bool, prompts: str | None, max_new_tokens: int,
+            sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+            eos_token_id: int | None, tokenizer: str | None) -> None:
     """Train the artifact in DIRECTORY with its program (DIR/train.py); one JSON line per step
-    goes to DIR/logs/train.jsonl.
+    goes to DIR/logs/train.jsonl. With --generate, serve a generation artifact (compiled with
+    --task infer) with its program (DIR/generate.py): one JSON line per prompt with its new
+    token ids on stdout, tokens/s on stderr.
 
     The program is regenerated when plan.yaml changed since it was written; once edited by
     hand it is run as it is.
@@ -95,6 +125,8 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
       torchrun --nproc-per-node 2 -m autopar run DIR --steps 10 --resume   # after re-planning
       torchrun --nnodes 2 --nproc-per-node 8 ... -m autopar run DIR --steps 1000
       torchrun --nproc-per-node 4 -m autopar run DIR --init-from ./Llama-3.2-1B
+      autopar run SERVE_DIR --generate --prompts prompts.jsonl --max-new-tokens 64
+      torchrun --nproc-per-node 2 -m autopar run SERVE_DIR --generate --prompts p.jsonl --sample
     """
     from pathlib import Path
 
@@ -108,6 +140,18 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     from autopar.plan.support import refuse_unsupported
 
     refuse_unsupported(plan)  # before any program is (re)generated
+    if serving or plan.task == "infer":
+        if resume or init_from:
+            raise PlanError("--resume and --init-from are for training; --generate serves the "
+                            "artifact's latest checkpoint: drop them")
+        options = dict(max_new_tokens=max_new_tokens, do_sample=sample,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       eos_token_id=eos_token_id, seed=seed)
+        _serve(directory, manifest, plan, device, prompts, tokenizer, options)
+        return
+    if prompts is not None:
+        raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
+                        f"with --task infer; {directory} trains (task {plan.task})")
     program = _program(directory, manifest, plan)
     if resume and init_from and int(os.environ.get("RANK", "0")) == 0:
         click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
@@ -160,3 +204,60 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
                 # whose peer destroys its threads mid-exchange
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: str | None,
+           tokenizer: str | None, options: dict) -> None:
+    """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
+    (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
+    import torch.distributed as dist
+
+    from autopar.cli.generate_cmd import print_generated, read_prompts
+    from autopar.errors import PlanError
+    from autopar.runtime.generate import check_sampling, check_servable, serve, serving_model
+    from autopar.runtime.trainer import run_device
+
+    if plan.task != "infer":
+        raise PlanError(f"{directory} was compiled for --task {plan.task}; --generate serves an "
+                        f"artifact compiled with --task infer (autopar compile MODEL --task "
+                        f"infer --out DIR), or generate from this one with autopar generate "
+                        f"{directory} --prompts FILE")
+    if prompts is None:
+        raise PlanError(f"{directory} is a serving artifact (compiled with --task infer) and "
+                        f"needs prompts: autopar run {directory} --generate --prompts FILE")
+    check_servable(plan, manifest["model"])
+    check_sampling(options["max_new_tokens"], options["do_sample"], options["temperature"],
+                   options["top_k"], options["top_p"])
+    tok = None
+    if tokenizer is not None:
+        from autopar.data.instruction import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(tokenizer)
+    ids = read_prompts(prompts, tok)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.devices:
+        launch = f"torchrun --nproc-per-node {plan.devices}" if plan.devices > 1 else \
+            "one process, without torchrun"
+        raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
+                        f"running; launch with {launch}")
+    program = _program(directory, manifest, plan, needs=("build_mesh", "parallelize",
+                                                         "generate"))
+    kind = _device_type(plan.cluster, device)
+    if kind != "cpu":
+        import torch
+
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
+    finished = False
+    try:
+        model = serving_model(directory, run_device(kind))
+        rows, seconds = serve(program, model, ids, device=kind, **options)
+        finished = True
+    finally:
+        if world > 1 and dist.is_initialized():
+            if finished:
+                dist.barrier()
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_generated(rows, tok, seconds)

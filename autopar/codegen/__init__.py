@@ -1,7 +1,15 @@
-"""Codegen: the artifact directory (plan, manifest) and the training program generated from
-the plan."""
+"""Codegen: the artifact directory (plan, manifest) and the program generated from the plan:
+the training program (train.py), or for a plan of task "infer" the generation program
+(generate.py)."""
 
-from autopar.codegen.artifact import compile_artifact, load_artifact, regenerate_program
+from autopar.codegen.artifact import (
+    compile_artifact,
+    load_artifact,
+    program_file,
+    program_for,
+    regenerate_program,
+)
+from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import (
     PROGRAM_FILE,
     generated_program,
@@ -10,5 +18,6 @@ from autopar.codegen.program import (
     program_text,
 )
 
-__all__ = ["PROGRAM_FILE", "compile_artifact", "generated_program", "load_artifact", "load_program",
+__all__ = ["GENERATE_FILE", "PROGRAM_FILE", "compile_artifact", "generate_program_text",
+           "generated_program", "load_artifact", "load_program", "program_file", "program_for",
            "program_state", "program_text", "regenerate_program"]

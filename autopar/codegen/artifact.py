@@ -2,7 +2,8 @@
 
 DIR/plan.yaml      the plan
 DIR/train.py       the training program generated from it (what ``autopar run DIR`` and
-                   ``torchrun DIR/train.py`` execute)
+                   ``torchrun DIR/train.py`` execute); for a plan of task "infer",
+DIR/generate.py    the generation program instead (``autopar run DIR --generate``)
 DIR/manifest.json  how to rebuild the model on every rank, the world size, the library
                    versions, and the digests that tell a regenerated program from an edited one
 """
@@ -15,13 +16,32 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
 from autopar.errors import PlanError
 from autopar.plan import PLAN_VERSION, Plan
 from autopar.runtime.source import describe_source
 
 MANIFEST_VERSION = 2
-EDITED_FILE = "train.edited.py"  # a hand-edited program kept when re-compiling
+
+
+def program_file(plan: Plan) -> str:
+    """The program an artifact of ``plan`` holds: generate.py to serve (task "infer"), else
+    train.py."""
+    return GENERATE_FILE if plan.task == "infer" else PROGRAM_FILE
+
+
+def program_for(plan: Plan, source: dict) -> tuple[str, str]:
+    """(file name, text) of the program generated for ``plan`` (``source``: the manifest's
+    model recipe)."""
+    if plan.task == "infer":
+        return GENERATE_FILE, generate_program_text(plan, source)
+    return PROGRAM_FILE, program_text(plan, source)
+
+
+def edited_file(name: str) -> str:
+    """Where re-compiling keeps a hand-edited ``name``: train.py -> train.edited.py."""
+    return name.removesuffix(".py") + ".edited.py"
 
 
 def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path,
@@ -32,7 +52,8 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
     ``emit`` names other engines' formats to write beside the plan ("deepspeed"). A plan
     priced for another engine (``plan.engine`` megatron or deepspeed) gets that engine's file
-    instead of ``train.py``: autopar's runtime does not run it.
+    instead of ``train.py``: autopar's runtime does not run it. A plan of task "infer" gets
+    ``generate.py``, the generation program, instead of ``train.py``.
     """
     plan.validate()
     source = describe_source(model)
@@ -49,9 +70,9 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
                     "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
                     "model": source, "versions": library_versions()}
         if plan.engine == "autopar":
-            program = program_text(plan, source)
-            (tmp / PROGRAM_FILE).write_text(program)
-            manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
+            name, program = program_for(plan, source)
+            (tmp / name).write_text(program)
+            manifest["program"] = {"file": name, "sha256": digest(program),
                                    "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         else:  # a plan for another engine runs there: its launch file instead of a program
             emit = (*emit, plan.engine)
@@ -73,9 +94,10 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
             (tmp / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
                                                 + "\n")
         if out.exists():
-            if (out / PROGRAM_FILE).is_file() and program_state(out) == "edited":
+            old = _recorded_program(out)
+            if (out / old).is_file() and program_state(out) == "edited":
                 # a hand-edited program is not thrown away: it stays beside the new one
-                shutil.copy(out / PROGRAM_FILE, tmp / EDITED_FILE)
+                shutil.copy(out / old, tmp / edited_file(old))
             keep = out / "logs", out / "checkpoints"
             for item in keep:
                 if item.exists():
@@ -88,16 +110,26 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     return out
 
 
+def _recorded_program(directory: Path) -> str:
+    """The program file an existing artifact's manifest names (train.py when unreadable)."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+        return str(manifest.get("program", {}).get("file", PROGRAM_FILE))
+    except (OSError, ValueError, AttributeError):
+        return PROGRAM_FILE
+
+
 def regenerate_program(directory: str | Path, plan: Plan, manifest: dict, write: bool) -> str:
     """The program for the (edited) plan.yaml in ``directory``; with ``write``, also written
-    to DIR/train.py with the manifest's digests updated (atomically: one rank writes)."""
+    to DIR/train.py (DIR/generate.py for task "infer") with the manifest's digests updated
+    (atomically: one rank writes)."""
     d = Path(directory)
-    program = program_text(plan, manifest["model"])
+    file, program = program_for(plan, manifest["model"])
     if write:
         manifest = dict(manifest)
-        manifest["program"] = {"file": PROGRAM_FILE, "sha256": digest(program),
+        manifest["program"] = {"file": file, "sha256": digest(program),
                                "plan_sha256": digest((d / "plan.yaml").read_bytes())}
-        for name, text in ((PROGRAM_FILE, program),
+        for name, text in ((file, program),
                            ("manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
                             + "\n")):
             tmp = d / f".{name}.{os.getpid()}.tmp"  # one per writer (shared filesystems)

@@ -93,16 +93,19 @@ def digest(text: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def program_state(directory: str | Path) -> str:
-    """"generated" (train.py is as autopar wrote it for this plan.yaml), "stale" (plan.yaml
-    changed since: regenerate), "edited" (the program was changed by hand: keep it),
-    "missing" (no train.py: regenerate)."""
+def program_state(directory: str | Path, name: str | None = None) -> str:
+    """"generated" (the program, ``name`` or the manifest's, is as autopar wrote it for this
+    plan.yaml), "stale" (plan.yaml changed since: regenerate), "edited" (the program was
+    changed by hand: keep it), "missing" (no such file: regenerate)."""
     d = Path(directory)
     manifest = json.loads((d / "manifest.json").read_text())
     recorded = manifest.get("program", {})
-    path = d / PROGRAM_FILE
+    name = name or recorded.get("file", PROGRAM_FILE)
+    path = d / name
     if not path.is_file():
         return "missing"
+    if recorded.get("file", PROGRAM_FILE) != name:  # the plan's task asks for another program
+        return "stale"
     if digest(path.read_bytes()) != recorded.get("sha256"):
         return "edited"
     if digest((d / "plan.yaml").read_bytes()) != recorded.get("plan_sha256"):
@@ -166,11 +169,6 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     w.line("autopar run keeps your edits (and says so). Delete it to regenerate.")
     w.line('"""')
     w.blank()
-    used = " ".join(styles.values())
-
-    def names(*candidates: str) -> str:
-        return ", ".join(n for n in candidates if n in used)
-
     w.line("import torch")
     if plan.devices > 1:
         w.line("from torch.distributed.device_mesh import init_device_mesh")
@@ -179,25 +177,40 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
         w.line("from torch.distributed.fsdp import "
                + ("CPUOffloadPolicy" if offload else "OffloadPolicy")
                + ", MixedPrecisionPolicy, fully_shard")
-    if styles:
-        if names("Replicate", "Shard"):
-            w.line(f"from torch.distributed.tensor import {names('Replicate', 'Shard')}")
-        w.line("from torch.distributed.tensor.parallel import "
-               + ", ".join(n for n in ("RowwiseParallel", "SequenceParallel") if n in used)
-               + (", " if names("RowwiseParallel", "SequenceParallel") else "")
-               + "parallelize_module")
+    torch_style_imports(w, styles)
     w.blank()
     w.line("from autopar.runtime import program as ap")
-    if "Relayout" in used:
-        w.line("from autopar.runtime.tensor_parallel import Relayout")
-    if names("ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel"):
-        w.line("from autopar.runtime.tp_styles import "
-               + names("ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel"))
+    autopar_style_imports(w, styles)
     w.blank()
     if source.get("kind") == "hf_config":
         arch = (source["config"].get("architectures") or [model_name])[0]
         w.line(f"# the model: {arch} (transformers) from manifest.json's config, built on meta")
         w.blank()
+
+
+def _style_names(styles: dict[str, str], *candidates: str) -> str:
+    used = " ".join(styles.values())
+    return ", ".join(n for n in candidates if n in used)
+
+
+def torch_style_imports(w: _Writer, styles: dict[str, str]) -> None:
+    """The torch imports the tensor-parallel ``styles`` (their source text) need."""
+    if not styles:
+        return
+    if _style_names(styles, "Replicate", "Shard"):
+        w.line(f"from torch.distributed.tensor import {_style_names(styles, 'Replicate', 'Shard')}")
+    own = _style_names(styles, "RowwiseParallel", "SequenceParallel")
+    w.line("from torch.distributed.tensor.parallel import " + (own + ", " if own else "")
+           + "parallelize_module")
+
+
+def autopar_style_imports(w: _Writer, styles: dict[str, str]) -> None:
+    """The autopar imports the tensor-parallel ``styles`` (their source text) need."""
+    if _style_names(styles, "Relayout"):
+        w.line("from autopar.runtime.tensor_parallel import Relayout")
+    ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel")
+    if ours:
+        w.line(f"from autopar.runtime.tp_styles import {ours}")
 
 
 def _peft(w: _Writer, plan: Plan) -> None:

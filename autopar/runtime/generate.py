@@ -56,16 +56,56 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
+def check_sampling(max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None) -> None:
+    """Refuse generation settings that cannot run, in one line each."""
+    if max_new_tokens < 1:
+        raise PlanError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if do_sample and temperature <= 0:
+        raise PlanError(f"temperature must be positive, got {temperature}; use "
+                        f"do_sample=False for greedy decoding")
+    if top_k is not None and top_k < 1:
+        raise PlanError(f"top_k must be at least 1, got {top_k}; leave it out to keep every "
+                        f"token")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise PlanError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def new_cache(config, max_len: int, stage=None):
+    """An empty static KV cache for ``max_len`` positions: transformers' ``StaticCache``, each
+    layer allocated [batch, kv_heads, max_len, head_dim] from the first keys it sees (so under
+    tensor parallelism only this rank's kv heads); under pipeline stages only this rank's
+    layers fill, and the mask sizes come from its first one (``stage.cache``)."""
+    if stage is not None:
+        return stage.cache(config, max_len)
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_len)
+
+
+def new_tokens(out: torch.Tensor, prompts: Sequence[Sequence[int]],
+               eos_token_id: int | None = None) -> list[list[int]]:
+    """Each prompt's new token ids from ``generate``'s [batch, prompt + new] output, cut after
+    the stop token (what follows it is padding)."""
+    width = out.shape[1] - max(len(p) for p in prompts)
+    rows = []
+    for row in out[:, out.shape[1] - width:].tolist():
+        if eos_token_id is not None and eos_token_id in row:
+            row = row[:row.index(eos_token_id) + 1]
+        rows.append(row)
+    return rows
+
+
 class Generator:
     """Generate with a model's KV cache, in one process or under a plan on several.
 
     ``model`` is a Hugging Face causal LM (an ``nn.Module``), a shipped name or config path
-    (random weights from seed 0, as ``autopar run`` starts), a Hugging Face folder with weights, or an artifact
-    directory (its latest checkpoint, adapters included). With ``plan``, the model is laid out
-    as the plan says in the current process group: tensor parallelism splits the attention by
-    heads and with it the cache; pipeline stages each run and cache their own layers
-    (:mod:`autopar.runtime.generate_stages`). Every rank must call :meth:`generate` with the
-    same arguments and gets the same tokens.
+    (the seed-0 weights ``autopar run`` starts from, :func:`initial_model`), a Hugging Face
+    folder with weights, or an artifact directory (its latest checkpoint, adapters included).
+    With ``plan``, the model is laid out as the plan says in the current process group: tensor
+    parallelism splits the attention by heads and with it the cache; pipeline stages each run
+    and cache their own layers (:mod:`autopar.runtime.generate_stages`). Every rank must call
+    :meth:`generate` with the same arguments and gets the same tokens.
     """
 
     def __init__(self, model: nn.Module | str | Path, plan: Plan | None = None,
@@ -75,7 +115,7 @@ class Generator:
         if getattr(model, "config", None) is None or not hasattr(model, "get_output_embeddings"):
             raise PlanError(f"generation needs a Hugging Face causal LM (its config and cache); "
                             f"{type(model).__name__} is not one")
-        self.pp_group, self.first_layer, self.last_stage = None, 0, 0
+        self.stage = None  # this rank's pipeline stage (GenerationStage), if any
         if plan is not None and plan.devices > 1:
             import dataclasses
 
@@ -102,28 +142,10 @@ class Generator:
             raise PlanError("generation under pipeline stages with expert parallelism is not "
                             "in autopar yet; re-plan with constraints ep=1 or pp=1")
         mesh = build_mesh(plan, self.device.type)
-        self.pp_group = mesh["pp"].get_group()
-        self.first_layer, self.last_stage = split_for_generation(model, plan, self.pp_group)
+        self.stage = split_for_generation(model, plan, mesh["pp"].get_group())
         if plan.mesh["tp"] > 1:
             apply_tensor_parallel(model, plan, mesh["tp"], whole_logits=True)
         return model
-
-    def _cache(self, max_len: int):
-        from transformers import StaticCache
-
-        if self.pp_group is None:
-            return StaticCache(config=self.config, max_cache_len=max_len)
-        from autopar.runtime.generate_stages import stage_cache
-
-        return stage_cache(self.config, max_len, self.first_layer)
-
-    def _agree(self, token: torch.Tensor) -> torch.Tensor:
-        """Under pipeline stages, the last stage's token on every rank."""
-        if self.pp_group is not None:
-            import torch.distributed as dist
-
-            dist.broadcast(token, group_src=self.last_stage, group=self.pp_group)
-        return token
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -137,11 +159,7 @@ class Generator:
         A row that emits ``eos_token_id`` is finished: it continues with ``pad_token_id``
         (default: the eos id), and generation stops when every row is finished. Sampling
         draws from a generator seeded with ``seed`` (the same draws on every rank)."""
-        if max_new_tokens < 1:
-            raise PlanError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if do_sample and temperature <= 0:
-            raise PlanError(f"temperature must be positive, got {temperature}; use "
-                            f"do_sample=False for greedy decoding")
+        check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
         if pad_token_id is None:
             pad_token_id = eos_token_id if eos_token_id is not None else 0
         if not isinstance(input_ids, torch.Tensor):
@@ -150,7 +168,7 @@ class Generator:
         mask = torch.ones_like(input_ids) if attention_mask is None else \
             attention_mask.to(self.device, torch.long)
         batch, prompt = input_ids.shape
-        cache = self._cache(prompt + max_new_tokens)
+        cache = new_cache(self.config, prompt + max_new_tokens, self.stage)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
         generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
             else None
@@ -161,8 +179,10 @@ class Generator:
         position = positions[:, -1:]
         for step in range(max_new_tokens):
             last = full(logits[:, -1])
-            token = self._agree(sample_next(last, temperature, top_k, top_p, generator)
-                                if do_sample else last.argmax(-1))
+            token = sample_next(last, temperature, top_k, top_p, generator) if do_sample \
+                else last.argmax(-1)
+            if self.stage is not None:  # the last stage's token on every rank
+                token = self.stage.agree(token)
             if eos_token_id is not None:
                 token = token.masked_fill(finished, pad_token_id)
                 finished |= token == eos_token_id
@@ -187,10 +207,10 @@ def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    from autopar.runtime.source import build_from_source, describe_source
+    from autopar.runtime.source import describe_source
 
     # the weights autopar run starts from (seed 0): the same on every rank and every call
-    return build_from_source(describe_source(str(model)), 0, device)
+    return initial_model(describe_source(str(model)), None, device)
 
 
 def _from_artifact(directory: Path, device: torch.device) -> nn.Module:
@@ -215,3 +235,76 @@ def _from_artifact(directory: Path, device: torch.device) -> nn.Module:
         for name, p in model.named_parameters():
             p.copy_(state[f"model.{name}"])
     return model
+
+
+def initial_model(source: dict, plan: Plan | None = None,
+                  device: str | torch.device = "cpu") -> nn.Module:
+    """The whole model with the weights ``autopar run`` starts training from (seed 0, each
+    module from its own seed, :func:`autopar.runtime.init.materialize`), with the plan's
+    fine-tuning method when it has one."""
+    from autopar.runtime.init import materialize
+    from autopar.runtime.source import build_from_source
+
+    model = build_from_source(source, 0, "meta")
+    if plan is not None and plan.peft:
+        from autopar.peft import apply_peft
+
+        apply_peft(model, plan.peft)
+    materialize(model, 0, device=device)
+    return model
+
+
+def serving_model(directory: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The whole model artifact ``directory`` serves: the weights of its latest checkpoint,
+    or, before any training, the seed-0 weights ``autopar run`` starts from."""
+    from autopar.codegen import load_artifact
+    from autopar.runtime.checkpoint import latest_checkpoint
+
+    device = torch.device(device)
+    if latest_checkpoint(Path(directory) / "checkpoints") is not None:
+        return _from_artifact(Path(directory), device)
+    manifest, plan = load_artifact(directory)
+    return initial_model(manifest["model"], plan, device)
+
+
+def check_servable(plan: Plan, source: dict) -> None:
+    """Refuse, before any work, what a generation program cannot serve."""
+    if plan.mesh["ep"] > 1:
+        raise PlanError("generation with expert parallelism is not in autopar yet; re-compile "
+                        "with --task infer --constraints ep=1")
+    if source.get("kind") != "hf_config":
+        raise PlanError("generation needs a Hugging Face causal LM (its config and KV cache); "
+                        "this artifact's model is a plain module: compile a Hugging Face model")
+
+
+def serve(program, model: nn.Module, prompts: Sequence[Sequence[int]], *,
+          device: str = "cpu", eos_token_id: int | None = None,
+          **options) -> tuple[list[list[int]], float]:
+    """Serve ``prompts`` with a generation program (an artifact's ``generate.py``, loaded):
+    its mesh, its layout of ``model`` (whole, with its weights, on every rank), then its
+    ``generate`` on this data-parallel replica's share of the prompts (every dp-th one).
+    Returns, on every rank, each prompt's new token ids in order (cut after
+    ``eos_token_id``) and the seconds generation took (the slowest replica's). ``options``
+    go to ``generate`` (max_new_tokens, do_sample, temperature, top_k, top_p, seed)."""
+    import time
+
+    import torch.distributed as dist
+
+    mesh = program.build_mesh(device)
+    model, stage = program.parallelize(model, mesh)
+    replicas = mesh["dp"].size() if mesh is not None else 1
+    replica = mesh["dp"].get_local_rank() if mesh is not None else 0
+    mine = list(prompts)[replica::replicas]
+    start = time.perf_counter()
+    rows = new_tokens(program.generate(model, stage, mine, eos_token_id=eos_token_id,
+                                       **options), mine, eos_token_id) if mine else []
+    seconds = time.perf_counter() - start
+    if replicas == 1:
+        return rows, seconds
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (replica, rows, seconds))
+    merged: list[list[int]] = [[] for _ in prompts]
+    for index, theirs, _ in everyone:
+        for i, row in enumerate(theirs):
+            merged[index + i * replicas] = row
+    return merged, max(s for _, _, s in everyone)

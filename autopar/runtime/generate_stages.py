@@ -15,6 +15,8 @@ from its first own layer (:class:`StageCache`), not from layer 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +50,7 @@ def stage_cache(config, max_cache_len: int, first_layer: int):
     return StageCache(config=config, max_cache_len=max_cache_len)
 
 
-def _owners(plan: Plan) -> dict[str, int]:
+def stage_owners(plan: Plan) -> dict[str, int]:
     """Layer module path -> the pipeline rank that runs it (chunk c on rank c % pp)."""
     from autopar.runtime.pipeline import chunk_ranges
 
@@ -62,12 +64,30 @@ def _owners(plan: Plan) -> dict[str, int]:
     return owners
 
 
-def split_for_generation(model: nn.Module, plan: Plan, pp_group) -> tuple[int, int]:
-    """Turn ``model`` into this rank's generation stage (in place): other ranks' layers
-    become Relays, and hand-off hooks send and receive the hidden states. Returns (the cache
-    index of this rank's first layer, the pipeline rank whose logits count)."""
+@dataclass
+class GenerationStage:
+    """This rank's part of a pipeline for generation (:func:`split_stages`)."""
+
+    group: object  # the pipeline process group
+    layers: list[str]  # the layers this rank runs and caches, in model order
+    first_layer: int  # the cache index of the first of them
+    last: int  # the pipeline rank whose logits count (the last layer's owner)
+
+    def cache(self, config, max_cache_len: int):
+        """A static cache whose mask sizes come from this rank's first layer."""
+        return stage_cache(config, max_cache_len, self.first_layer)
+
+    def agree(self, token: torch.Tensor) -> torch.Tensor:
+        """The last stage's token, on every rank of the pipeline."""
+        dist.broadcast(token, group_src=self.last, group=self.group)
+        return token
+
+
+def split_stages(model: nn.Module, owners: dict[str, int], pp_group) -> GenerationStage:
+    """Turn ``model`` into this rank's generation stage (in place): the layers ``owners``
+    gives to other pipeline ranks become Relays, and hand-off hooks send and receive the
+    hidden states at every change of owner."""
     rank = dist.get_rank(pp_group)
-    owners = _owners(plan)
     paths = list(owners)
     if not paths:
         raise PlanError("the plan records no layers to split into pipeline stages; re-plan "
@@ -91,7 +111,12 @@ def split_for_generation(model: nn.Module, plan: Plan, pp_group) -> tuple[int, i
         if owners[path] != rank:
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent), child, Relay())
-    return first, owners[paths[-1]]
+    return GenerationStage(pp_group, mine, first, owners[paths[-1]])
+
+
+def split_for_generation(model: nn.Module, plan: Plan, pp_group) -> GenerationStage:
+    """:func:`split_stages` with the owners of ``plan``'s chunks."""
+    return split_stages(model, stage_owners(plan), pp_group)
 
 
 def _send(receiver: int, group):
