@@ -58,6 +58,10 @@ def _default_out(model: str, devices: int) -> Path:
                    "adapter, low_rank_adapter, bitfit, rdrop), k=v settings "
                    "(method=lora,r=16,lora_alpha=32,target_modules=all-linear) or peft's "
                    "adapter_config.json.")
+@click.option("--max-token-latency-ms", type=float, default=None,
+              help="With --task infer: the longest decoding step allowed; the plan then "
+                   "takes the concurrency (up to --global-batch) with the most tokens/s "
+                   "within it.")
 @click.option("--memory-limit-gb", type=float, default=None,
               help="Usable memory per device [default: the cluster's].")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0), default=None,
@@ -72,7 +76,7 @@ def _default_out(model: str, devices: int) -> Path:
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch: int | None,
                 seq: int | None, constraints: tuple[str, ...], peft: str | None,
-                memory_limit_gb: float | None, time_limit_s: float | None, out: str | None,
+                max_token_latency_ms: float | None, memory_limit_gb: float | None, time_limit_s: float | None, out: str | None,
                 emit: tuple[str, ...], fmt: str, quiet: bool) -> None:
     """Plan MODEL on DEVICES devices, print the strategy report and write the artifact DIR:
     plan.yaml, manifest.json and train.py, the training program generated from the plan
@@ -96,6 +100,10 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \
           --constraints engine=megatron --emit megatron      # a MindFormers job, for Megatron
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
+      autopar compile llama3-70b --devices 8 --cluster h100-80g --task infer \
+          --global-batch 32 --seq 4096          # 32 concurrent 4k-token sequences
+      autopar compile llama3-8b --devices 8 --task infer --global-batch 256 \
+          --max-token-latency-ms 20             # the most tokens/s within 20 ms a token
       autopar compile llama3-8b --devices 8 --task finetune --peft lora   # LoRA, base frozen
       autopar compile llama3-8b --devices 8 --task finetune \
           --peft method=lora,r=16,lora_alpha=32,target_modules=all-linear
@@ -116,12 +124,17 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
             raise PlanError(f"--peft trains part of the model: add --task finetune (not "
                             f"--task {task})")
         peft = parse_peft(peft)  # a bad method or setting fails before the capture
+    if max_token_latency_ms is not None and task != "infer":
+        from autopar.errors import PlanError
+
+        raise PlanError(f"--max-token-latency-ms bounds a serving plan's decoding step: add "
+                        f"--task infer (not --task {task})")
     graph = capture_model(model, 1, seq, quiet, peft=peft)
     with search_progress(quiet) as progress:
         result = make_plan(graph, devices=devices, cluster=cluster, task=task,
                            global_batch=global_batch, constraints=constraints,
                            memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
-                           progress=progress)
+                           progress=progress, max_token_latency_ms=max_token_latency_ms)
     out_dir = Path(out) if out else _default_out(model, devices)
     if model.lower().endswith(".onnx"):  # planned, but an ONNX file cannot be trained
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -264,9 +264,9 @@ draws = torch.Generator(device=device).manual_seed(seed) if do_sample else None
 finished = torch.zeros(batch, dtype=torch.bool, device=device)
 out = [ids]
 with torch.autocast(device.type, dtype=AUTOCAST, enabled=AUTOCAST is not None):
-    # prefill: the whole prompt at once, filling every layer's cache
+    # prefill: the whole prompt at once, filling every layer's cache (logits: last position)
     logits = logits_of(model(input_ids=ids, attention_mask=mask, position_ids=position,
-                             cache=cache, use_cache=True))
+                             cache=cache, use_cache=True, logits_to_keep=1))
     position = position[:, -1:]
     for step in range(max_new_tokens):
         last = full(logits[:, -1])  # whole logits: every rank picks the same token

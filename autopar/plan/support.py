@@ -80,6 +80,21 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     return None
 
 
+def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int,
+                        kv_replicated: bool = False) -> str | None:
+    """Why autopar's generation runtime cannot serve this mesh, or None when it can. Serving
+    keeps no gradients or optimizer states, so the training runtime's ZeRO and data-parallel
+    wrappers do not arise: data-parallel replicas each serve their share of the prompts."""
+    if engine != "autopar":
+        return None
+    if ep > 1:
+        return "expert parallelism when serving (constraints ep=1)"
+    if kv_replicated and tp > 1 and pp > 1:
+        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
+                "(constraints pp=1, or a tp that divides the kv heads)")
+    return None
+
+
 def unsupported(config: ParallelConfig) -> str | None:
     """:func:`unsupported_combination` for a cost-model configuration (the search's view)."""
     return unsupported_combination(
@@ -94,15 +109,19 @@ def unsupported(config: ParallelConfig) -> str | None:
 
 
 def plan_unsupported(plan: Plan) -> str | None:
-    """:func:`unsupported_combination` for a plan (the runtime's view)."""
+    """:func:`unsupported_combination` (:func:`unsupported_serving` for task="infer") for a
+    plan (the runtime's view)."""
     m = plan.mesh
+    kv_replicated = any("(kv-heads)" in v for v in plan.placements.get("params", {}).values())
+    if plan.task == "infer":
+        return unsupported_serving(engine=plan.engine or "autopar", tp=m["tp"], pp=m["pp"],
+                                   ep=m["ep"], kv_replicated=kv_replicated)
     return unsupported_combination(
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
         offload=frozenset(plan.offload),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
-        num_microbatches=plan.num_microbatches,
-        kv_replicated=any("(kv-heads)" in v for v in plan.placements.get("params", {}).values()))
+        num_microbatches=plan.num_microbatches, kv_replicated=kv_replicated)
 
 
 def refuse_unsupported(plan: Plan) -> None:

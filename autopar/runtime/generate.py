@@ -172,8 +172,10 @@ class Generator:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
         generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
             else None
+        # the prompt's last position is the only one whose logits are read
         logits = logits_of(self.model(input_ids=input_ids, attention_mask=mask,
-                                    position_ids=positions, cache=cache, use_cache=True))
+                                    position_ids=positions, cache=cache, use_cache=True,
+                                    logits_to_keep=1))
         out = [input_ids]
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         position = positions[:, -1:]

@@ -30,7 +30,7 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.serving import decode_block_times, decode_stages, min_max_partition
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.graph import Graph
-from autopar.plan.support import unsupported_combination
+from autopar.plan.support import unsupported_serving
 from autopar.search.planner import Progress, SearchResult, _distinct_alternatives
 from autopar.search.robust import robust_choice
 from autopar.search.space import Mesh, ModelFacts, divisors, legal_meshes
@@ -83,9 +83,8 @@ def _configs(mesh: Mesh, global_batch: int, pins: dict, defaults: dict,
              layouts: dict[int, TPLayouts] | None, rejected: dict[str, int],
              reasons: set[str]) -> list[ParallelConfig]:
     tp_layouts = (layouts or {}).get(mesh.tp)
-    reason = unsupported_combination(
-        engine=defaults.get("engine", "autopar"), dp=mesh.dp, tp=mesh.tp, pp=mesh.pp,
-        ep=mesh.ep, zero_stage=0, sequence_parallel=False, offload=frozenset(),
+    reason = unsupported_serving(
+        engine=defaults.get("engine", "autopar"), tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
         kv_replicated=tp_layouts is not None and any(b.kv for _, b in tp_layouts.by_type))
     if reason is not None:
         rejected["runtime"] = rejected.get("runtime", 0) + 1
