@@ -107,3 +107,10 @@ def test_finetune_peft_cpu_example(tmp_path) -> None:
     assert last < first - 0.1, result.stdout
     # r=8 on tiny Llama's 7 linears per layer (64 wide, kv 32, MLP 176), 4 layers
     assert "lora: 37,376 trained parameters" in result.stdout
+
+
+def test_serve_at_scale_example() -> None:
+    out = run("serve_at_scale.py", "--model", "llama3-8b", "--concurrency", "16", "--seq", "2048")
+    assert "fastest decoding" in out and "ms a token" in out and "KV cache" in out
+    assert "no serving plan fits" in out and "at most" in out
+    assert "Decoding step, along the bottleneck stage" in out
