@@ -198,12 +198,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
                        f"{losses[-1]:.4f}; log {log}")
         finished = True
     finally:
-        if world > 1 and dist.is_initialized():
-            if finished:
-                # every rank reaches teardown before any tears down: gloo aborts a process
-                # whose peer destroys its threads mid-exchange
-                dist.barrier()
-            dist.destroy_process_group()
+        _teardown(world, finished)
 
 
 def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: str | None,
@@ -255,9 +250,17 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
         rows, seconds = serve(program, model, ids, device=kind, **options)
         finished = True
     finally:
-        if world > 1 and dist.is_initialized():
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
+        _teardown(world, finished)
     if int(os.environ.get("RANK", "0")) == 0:
         print_generated(rows, tok, seconds)
+
+
+def _teardown(world: int, finished: bool) -> None:
+    """End the process group: after a clean run every rank reaches teardown before any tears
+    down (gloo aborts a process whose peer destroys its threads mid-exchange)."""
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()

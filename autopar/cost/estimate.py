@@ -95,25 +95,38 @@ def balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
 
 
 def _balanced_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
-    w = [b.flops for b in graph.blocks]
-    n = len(w)
+    n = len(graph.blocks)
     if pp > n:
         raise ValueError(f"pp={pp} exceeds the {n} blocks of the model")
-    prefix = [0]
-    for x in w:
-        prefix.append(prefix[-1] + x)
+    return min_max_partition([b.flops for b in graph.blocks], pp)
+
+
+def min_max_partition(times: list[float], parts: int,
+                      allowed=None) -> tuple[tuple[int, int], ...]:
+    """Contiguous split of ``times`` into ``parts`` ranges minimising the largest sum;
+    ``allowed(start, end, part)`` rules ranges out (memory). Empty when none is allowed."""
+    n = len(times)
+    if parts > n:
+        return ()
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0
-    for k in range(1, pp + 1):
-        for j in range(k, n - (pp - k) + 1):
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
             for i in range(k - 1, j):
+                if best[k - 1][i] == inf or (allowed is not None and not allowed(i, j, k - 1)):
+                    continue
                 v = max(best[k - 1][i], prefix[j] - prefix[i])
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
+    if best[parts][n] == inf:
+        return ()
     bounds, j = [], n
-    for k in range(pp, 0, -1):
+    for k in range(parts, 0, -1):
         i = cut[k][j]
         bounds.append((i, j))
         j = i
@@ -323,4 +336,5 @@ def estimate(graph: Graph, cluster: Cluster | str, config: ParallelConfig,
 
 
 __all__ = ["Estimate", "StageCost", "balanced_stages", "combine_stages", "estimate",
+           "min_max_partition",
            "p2p_hidden_share", "stage_cost", "stage_footprint", "stage_memory"]

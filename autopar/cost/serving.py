@@ -28,7 +28,13 @@ from autopar.cost.block_cost import captured_batch, captured_float_bytes, captur
 from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.decode import block_decode_cost, decode_flops_per_token
-from autopar.cost.estimate import Estimate, StageCost, balanced_stages, stage_cost
+from autopar.cost.estimate import (
+    Estimate,
+    StageCost,
+    balanced_stages,
+    min_max_partition,
+    stage_cost,
+)
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
 
@@ -82,40 +88,6 @@ def decode_stages(graph: Graph, cluster: Cluster, config: ParallelConfig
     return min_max_partition(times, config.pp)
 
 
-def min_max_partition(times: list[float], parts: int,
-                      allowed=None) -> tuple[tuple[int, int], ...]:
-    """Contiguous split of ``times`` into ``parts`` ranges minimising the largest sum;
-    ``allowed(start, end, part)`` rules ranges out (memory). Empty when none is allowed."""
-    n = len(times)
-    if parts > n:
-        return ()
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(j - 1, k - 2, -1):
-                if best[k - 1][i] == inf:
-                    continue
-                if allowed is not None and not allowed(i, j, k - 1):
-                    continue
-                v = max(best[k - 1][i], prefix[j] - prefix[i])
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
-    if best[parts][n] == inf:
-        return ()
-    bounds, j = [], n
-    for k in range(parts, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    return tuple(reversed(bounds))
-
-
 def serving_estimate(graph: Graph, cluster: Cluster, config: ParallelConfig) -> Estimate:
     """Prefill, decoding step and memory of a serving plan (``config`` with its precision)."""
     precision = config.precision
@@ -158,4 +130,4 @@ def _prefill_time(graph: Graph, cluster: Cluster, config: ParallelConfig,
 
 
 __all__ = ["decode_batch", "decode_block_times", "decode_stages", "decode_step", "handoff_s",
-           "min_max_partition", "serving_estimate"]
+           "serving_estimate"]

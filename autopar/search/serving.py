@@ -25,9 +25,9 @@ from autopar.cost.block_cost import (
     captured_seq,
 )
 from autopar.cost.config import ParallelConfig, TPLayouts
-from autopar.cost.estimate import Estimate, stage_footprint
+from autopar.cost.estimate import Estimate, min_max_partition, stage_footprint
 from autopar.cost.hardware import Cluster
-from autopar.cost.serving import decode_block_times, decode_stages, min_max_partition
+from autopar.cost.serving import decode_block_times, decode_stages
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.graph import Graph
 from autopar.plan.support import unsupported_serving
