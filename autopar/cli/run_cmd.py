@@ -8,6 +8,10 @@ from datetime import timedelta
 
 import click
 
+from autopar.cli.train_options import hyperparameters, profile_window, training_options
+from autopar.runtime.profiling import StepProfiler
+from autopar.runtime.run_log import RunLog
+
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
@@ -78,7 +82,6 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the weights and the synthetic data (with --generate: the "
                    "sampling draws).")
-@click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--device", type=click.Choice(sorted(_BACKENDS)), default=None,
               help="Device type [default: the plan cluster's].")
 @click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
@@ -106,15 +109,19 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
 @click.option("--tokenizer", default=None,
               help="With --generate: a Hugging Face tokenizer folder for text prompts and "
                    "output.")
-def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
+@training_options
+def run_cmd(directory: str, steps: int, data: str, seed: int,
             device: str | None, checkpoint_every: int, resume: bool,
             init_from: str | None, serving: bool, prompts: str | None, max_new_tokens: int,
             sample: bool, temperature: float, top_k: int | None, top_p: float | None,
-            eos_token_id: int | None, tokenizer: str | None) -> None:
-    """Train the artifact in DIRECTORY with its program (DIR/train.py); one JSON line per step
-    goes to DIR/logs/train.jsonl. With --generate, serve a generation artifact (compiled with
-    --task infer) with its program (DIR/generate.py): one JSON line per prompt with its new
-    token ids on stdout, tokens/s on stderr.
+            eos_token_id: int | None, tokenizer: str | None, **training: object) -> None:
+    """Train the artifact in DIRECTORY with its program (DIR/train.py): a console line per
+    step (loss, learning rate, tokens/s, MFU, memory, ETA) and one JSON line per step in
+    DIR/logs/train.jsonl (TensorBoard events in DIR/logs/tensorboard when tensorboard is
+    installed); --eval adds validation loss and perplexity (DIR/logs/eval.jsonl); --profile a
+    trace per rank and a per-stage summary (DIR/logs/profile). With --generate, serve a
+    generation artifact (compiled with --task infer) with its program (DIR/generate.py): one
+    JSON line per prompt with its new token ids on stdout, tokens/s on stderr.
 
     The program is regenerated when plan.yaml changed since it was written; once edited by
     hand it is run as it is.
@@ -125,6 +132,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
       torchrun --nproc-per-node 2 -m autopar run DIR --steps 10 --resume   # after re-planning
       torchrun --nnodes 2 --nproc-per-node 8 ... -m autopar run DIR --steps 1000
       torchrun --nproc-per-node 4 -m autopar run DIR --init-from ./Llama-3.2-1B
+      torchrun --nproc-per-node 4 -m autopar run DIR --steps 1000 --lr 3e-4 \\
+          --warmup-steps 100 --lr-schedule cosine --weight-decay 0.1 --betas 0.9,0.95
+      torchrun --nproc-per-node 4 -m autopar run DIR --eval val --eval-every 100
+      torchrun --nproc-per-node 4 -m autopar run DIR --steps 8 --profile   # then report --run
       autopar run SERVE_DIR --generate --prompts prompts.jsonl --max-new-tokens 64
       torchrun --nproc-per-node 2 -m autopar run SERVE_DIR --generate --prompts p.jsonl --sample
     """
@@ -152,6 +163,18 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
     if prompts is not None:
         raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
                         f"with --task infer; {directory} trains (task {plan.task})")
+    hyper = hyperparameters(training)  # bad settings fail before any process group
+    if not resume:
+        hyper.with_horizon(steps)  # a warm-up longer than the run is refused here
+    window = profile_window(steps, training["profile_steps"]) if training["profile"] \
+        else None
+    held = None
+    if training["eval_source"] is not None:
+        from autopar.runtime.evaluate import HeldOut
+
+        held = HeldOut(str(training["eval_source"]), int(training["eval_batches"]))
+    elif training["eval_every"]:
+        raise PlanError("--eval-every needs --eval PATH|synthetic: the held-out data")
     program = _program(directory, manifest, plan)
     if resume and init_from and int(os.environ.get("RANK", "0")) == 0:
         click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
@@ -169,16 +192,23 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
         dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
     finished = False
     try:
-        log = Path(directory) / "logs" / "train.jsonl"
+        logs = Path(directory) / "logs"
+        rank = int(os.environ.get("RANK", "0"))
+        run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
+                         every=int(training["log_every"])) if rank == 0 else None
         trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
-                          lr=lr, log_path=log, data=data,
+                          hyper=hyper, log=run_log, data=data,
                           init_from=None if resume else init_from)
+        evaluate = _evaluator(held, trainer)  # held-out data checked before any step
+        profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
+            if window is not None else None
         ckpt = Path(directory) / "checkpoints"
         if resume:
             trainer.resume(ckpt)
         try:
             losses = trainer.train(steps, checkpoint_dir=ckpt,
-                                   checkpoint_every=checkpoint_every)
+                                   checkpoint_every=checkpoint_every, evaluate=evaluate,
+                                   eval_every=int(training["eval_every"]), profiler=profiler)
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
             if world == 1:
                 raise
@@ -194,11 +224,28 @@ def run_cmd(directory: str, steps: int, data: str, seed: int, lr: float,
                 f"rank {trainer.rank} {what} ({cause}: {reason}); last complete checkpoint: "
                 f"{last or 'none'}; relaunch with --resume") from None
         if trainer.rank == 0:
+            summary = getattr(trainer, "profile_summary", None)
+            if summary is not None:
+                from autopar.runtime.profiling import summary_text
+
+                click.echo(summary_text(summary))
+                click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
+                           f"autopar report {directory} --run")
             click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
-                       f"{losses[-1]:.4f}; log {log}")
+                       f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
         finished = True
     finally:
         _teardown(world, finished)
+
+
+def _evaluator(held, trainer):
+    """``evaluate(trainer)`` over the held-out data (opened and checked now), or None."""
+    if held is None:
+        return None
+    from autopar.runtime.evaluate import evaluate, held_out_source
+
+    data = held_out_source(held, trainer.vocab)
+    return lambda t: evaluate(t, held, data)
 
 
 def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: str | None,

@@ -7,7 +7,7 @@ The program defines the functions the runtime's Trainer calls, in this order:
 ``build_mesh(device)``; then, before any weight exists (on meta), ``parallelize(model, mesh,
 plan)`` or, for pipelines, ``parallelize_stage(stage, mesh, plan, original)`` on each of this
 rank's stages (split at ``PIPELINE["chunks"]``); after the weights are allocated,
-``replicate(model, mesh, plan)``; and ``build_optimizer(params, mesh, lr)``.
+``replicate(model, mesh, plan)``; and ``build_optimizer(param_groups, mesh, hp)``.
 """
 
 from __future__ import annotations
@@ -414,15 +414,18 @@ def _replicate(w: _Writer, plan: Plan) -> None:
 
 def _optimizer(w: _Writer, plan: Plan) -> None:
     w.blank(2)
-    w.line("def build_optimizer(params, mesh, lr):")
+    w.line("def build_optimizer(param_groups, mesh, hp):")
     zero1 = data_parallel_wrapper(plan) == "ddp" and plan.zero_stage == 1 and \
         plan.mesh["ep"] == 1
+    doc = ("hp: the run's settings (autopar run --lr, --betas, --eps); each group carries its "
+           "weight decay")
     if zero1:
-        w.line('    """AdamW with its states sharded over dp (ZeRO-1)."""')
+        w.line('    """AdamW with its states sharded over dp (ZeRO-1); ' + doc + '."""')
         w.line("    from torch.distributed.optim import ZeroRedundancyOptimizer")
         w.blank()
-        w.line("    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=lr, "
-               "process_group=mesh[\"dp\"].get_group())")
+        w.line("    return ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, lr=hp.lr, "
+               "betas=hp.betas, eps=hp.eps,")
+        w.line("                                   process_group=mesh[\"dp\"].get_group())")
     else:
-        w.line('    """AdamW (fp32 states)."""')
-        w.line("    return torch.optim.AdamW(params, lr=lr)")
+        w.line('    """AdamW (fp32 states); ' + doc + '."""')
+        w.line("    return torch.optim.AdamW(param_groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)")

@@ -15,6 +15,7 @@ tied parameter is stored once, under its first name, as get_state_dict does for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,6 +74,19 @@ def _rank_optimizer(trainer: Trainer) -> torch.optim.Optimizer:
     return zero.optim
 
 
+@contextlib.contextmanager
+def _without_empty_groups(optim: torch.optim.Optimizer):
+    """The optimizer without its parameter groups that hold nothing on this rank, for the
+    state-dict functions (which read a group's hyperparameters off its first parameter): a
+    ZeRO-1 rank's share of the no-decay group can be empty. The groups are back after."""
+    groups = optim.param_groups
+    optim.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        optim.param_groups = groups
+
+
 def _disk_keys(trainer: Trainer, local: dict) -> dict[str, list[str]]:
     """Checkpoint key -> the local keys holding its value (several for tied pipeline copies)."""
     if trainer.pipe is None:
@@ -102,7 +116,8 @@ def _local_state(trainer: Trainer, options: StateDictOptions = _FLAT
                  ) -> tuple[torch.optim.Optimizer, dict[str, object]]:
     """(the optimizer this rank loads into, its state as {"model.<fqn>" / "optim.<key>": value})."""
     optim = _rank_optimizer(trainer)
-    model_sd, optim_sd = get_state_dict(trainer.model, optim, options=options)
+    with _without_empty_groups(optim):
+        model_sd, optim_sd = get_state_dict(trainer.model, optim, options=options)
     local: dict[str, object] = {f"model.{k}": v for k, v in model_sd.items()}
     local.update({f"optim.{k}": v for k, v in optim_sd.items()})
     return optim, local
@@ -196,7 +211,10 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
     dcp.save(state, checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
-        meta = {"step": trainer.step_index, "schedule": trainer.schedule.state_dict(),
+        # the schedule is a function of the step (autopar.runtime.optim.lr_at); its horizon
+        # goes on with a resumed run
+        meta = {"step": trainer.step_index,
+                "schedule": {"horizon": trainer.horizon, **trainer.hyper.as_dict()},
                 "seed": trainer.seed, "param_names": names, "layout": LAYOUT}
         if getattr(trainer, "scaler", None) is not None:  # fp16's loss scale goes on
             meta["loss_scale"] = trainer.scaler.state_dict()
@@ -286,12 +304,14 @@ def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:
                 elif value is not disk[key]:
                     value.copy_(disk[key])
         model_sd, optim_sd = _split(local)
-    set_state_dict(trainer.model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=options)
+    with _without_empty_groups(optim):
+        set_state_dict(trainer.model, optim, model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=options)
     zero = _zero1(trainer)
     if zero is not None:  # the loaded learning rates belong on the wrapper the schedule drives
         _copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
-    trainer.schedule.load_state_dict(meta["schedule"])
+    if trainer.hyper.decay_steps is None:  # a horizon set for this run wins
+        trainer.horizon = meta.get("schedule", {}).get("horizon")
     if getattr(trainer, "scaler", None) is not None and "loss_scale" in meta:
         trainer.scaler.load_state_dict(meta["loss_scale"])
     trainer.step_index = int(meta["step"])

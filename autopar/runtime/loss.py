@@ -47,9 +47,25 @@ def lm_loss(output: object, targets: torch.Tensor, rdrop_alpha: float | None = N
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # a sum over the counted targets: a micro-batch of prompt tokens only (instruction data)
     # gives 0, not cross_entropy's 0/0
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    summed, count = _summed_cross_entropy(logits, targets)
+    return summed / count.clamp(min=1)
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    count = (targets != IGNORE_INDEX).sum()
     summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-    return full(summed) / count
+    return full(summed), count
+
+
+def summed_lm_loss(output: object, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the next-token cross-entropy over the counted targets, their count): what an
+    evaluation adds up over micro-batches and ranks before it divides, so that the mean is
+    over tokens whatever the plan splits."""
+    logits = logits_of(output)
+    if not vocab_split(logits):
+        logits = full(logits)
+    return _summed_cross_entropy(logits, targets)
 
 
 def rdrop_loss(logits: torch.Tensor, targets: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from autopar.errors import PlanError
 from autopar.peft.rdrop import RDROP_ATTR
@@ -27,8 +28,11 @@ from autopar.runtime.hf_weights import HFCheckpoint
 from autopar.runtime.init import InitReport, materialize
 from autopar.runtime.loss import IGNORE_INDEX, full, lm_loss, logits_of
 from autopar.runtime.loss_scale import LossScaler
+from autopar.runtime.optim import Hyperparameters, decay_groups, lr_at, set_lr
+from autopar.runtime.run_log import RunLog
 from autopar.runtime.source import build_from_source
 from autopar.runtime.tensor_parallel import reduce_partial_grads
+from autopar.runtime.trace_summary import BACKWARD, FORWARD, OPTIMIZER, STEP, mark_forward
 
 
 def _vocab(model: nn.Module, plan: Plan) -> int:
@@ -61,9 +65,9 @@ class Trainer:
     init_report: InitReport  # this rank's materialisation: units, peak, local bytes
 
     def __init__(self, source: dict, plan: Plan, *, program: ModuleType, device: str = "cpu",
-                 seed: int = 0, lr: float = 1e-3, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, log_path: str | Path | None = None,
-                 data: str = "synthetic", init_from: str | Path | None = None) -> None:
+                 seed: int = 0, hyper: Hyperparameters | None = None, lr: float | None = None,
+                 log: RunLog | None = None, data: str = "synthetic",
+                 init_from: str | Path | None = None) -> None:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
@@ -71,7 +75,11 @@ class Trainer:
                             f"are running; launch with torchrun --nproc-per-node "
                             f"{plan.devices} (or re-plan for {world})")
         check_expert_parallel(plan)
-        self.plan, self.seed, self.grad_clip = plan, seed, grad_clip
+        hyper = hyper or Hyperparameters()
+        if lr is not None:  # a shorthand for the most common setting
+            hyper = replace(hyper, lr=lr)
+        self.plan, self.seed, self.hyper = plan, seed, hyper
+        self.grad_clip = hyper.grad_clip
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = run_device(device)
         # the program's precision: autocast's compute dtype, and dynamic loss scaling (fp16)
@@ -88,6 +96,7 @@ class Trainer:
                             "delete train.py to regenerate it from plan.yaml")
         # R-Drop's model runs each batch twice; its loss reads both passes
         self.rdrop_alpha = getattr(model, RDROP_ATTR, None)
+        self.evaluating = False  # autopar.runtime.evaluate runs forward-only passes
         check_module_paths(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
@@ -109,6 +118,9 @@ class Trainer:
         # the generated program lays the model out: its mesh, then its parallelize functions
         mesh = program.build_mesh(device)
         dp_mesh = mesh["dp"] if mesh is not None else None
+        # this rank's place on each mesh axis (the profile's stages are pp coordinates)
+        self.coords = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names} \
+            if mesh is not None else {}
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         if plan.mesh["ep"] > 1:
             from autopar.runtime.expert_parallel import data_rank, dense_mesh
@@ -128,12 +140,12 @@ class Trainer:
             else None
         # the ranks whose losses make up the global mean: dp, or dp x ep under expert parallelism
         self.replica_group = dense_mesh(mesh).get_group() if self.experts else self.dp_group
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = program.build_optimizer(params, mesh, lr)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
-        self.log_path = Path(log_path) if log_path else None
+        self.optimizer = program.build_optimizer(decay_groups(self.model, hyper.weight_decay),
+                                                 mesh, hyper)
+        self.log = log if self.rank == 0 else None
         self.step_index = 0
+        self.horizon: int | None = None  # the schedule's, once a run (or a checkpoint) sets it
+        self.last_record: dict = {}
 
     def _pipeline(self, model: nn.Module, reference: nn.Module, plan: Plan, mesh, device: str,
                   dp_mesh, program: ModuleType) -> nn.Module:
@@ -151,7 +163,8 @@ class Trainer:
         example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
         spec = program.PIPELINE
         loss_fn = self.loss if self.scaler is None else \
-            (lambda out, target: self.scaler.scale(self.loss(out, target)))
+            (lambda out, target: self.loss(out, target) if self.evaluating
+             else self.scaler.scale(self.loss(out, target)))
         original = model
 
         def lay_out(stage: nn.Module) -> None:
@@ -164,12 +177,19 @@ class Trainer:
         self.pp_group = mesh["pp"].get_group()
         self.init_report = materialize_stages(modules, self.seed, reference, device,
                                               self.weights)
+        for module in modules:  # the profiler sees each stage's forward as one phase
+            mark_forward(module)
         self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
 
     def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss (:func:`autopar.runtime.loss.lm_loss`, R-Drop's when the
-        fine-tuning method is R-Drop)."""
+        fine-tuning method is R-Drop); while evaluating, the plain cross-entropy."""
+        if self.evaluating:
+            logits = logits_of(output)
+            if logits.shape[0] == 2 * targets.shape[0]:  # a pipeline traced R-Drop's 2 passes
+                output = logits[: targets.shape[0]]
+            return lm_loss(output, targets)
         return lm_loss(output, targets, self.rdrop_alpha)
 
     def _pipeline_step(self, mine: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,9 +212,26 @@ class Trainer:
         return total
 
     def train_step(self) -> float:
-        """One optimizer step on the next global batch; returns the global mean loss."""
-        plan = self.plan
+        """One optimizer step on the next global batch; returns the global mean loss.
+
+        Its phases are marked for the profiler (autopar.runtime.trace_summary reads them)."""
         start = time.perf_counter()
+        with record_function(STEP):
+            total, lr = self._step()
+        value = float(total)
+        elapsed = time.perf_counter() - start
+        plan = self.plan
+        self.last_record = {
+            "step": self.step_index, "loss": value, "lr": lr, "step_time_s": elapsed,
+            "tokens_per_s": plan.global_batch * self.seq / elapsed,
+            "mfu": measured_mfu(plan, elapsed), "peak_memory_bytes": _peak_memory()}
+        self.step_index += 1
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss became {value} at step {self.step_index}")
+        return value
+
+    def _step(self) -> tuple[torch.Tensor, float]:
+        plan = self.plan
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
         # each data-parallel rank reads only its rows of this step's global batch
         window = (self.step_index, plan.global_batch, self.seq, self.seed,
@@ -212,39 +249,31 @@ class Trainer:
             for i in range(m):
                 chunk = mine[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
-                    with self._compute():
+                    with record_function(FORWARD), self._compute():
                         loss = self.loss(self.model(chunk[:, :-1]), targets[i * b:(i + 1) * b])
                     scaled = loss / m
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                    with record_function(BACKWARD):
+                        (self.scaler.scale(scaled) if self.scaler is not None
+                         else scaled).backward()
                 total += full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
-        overflow = False
-        if self.scaler is not None:  # clip and step on true gradients; skip on overflow
-            overflow = self.scaler.unscale_(self.model.parameters())
-            self.scaler.update(overflow)
-        if self.grad_clip and not overflow:
-            self._clip()
-        if not overflow:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.step()
+        lr = lr_at(self.hyper, self.step_index)
+        with record_function(OPTIMIZER):
+            overflow = False
+            if self.scaler is not None:  # clip and step on true gradients; skip on overflow
+                overflow = self.scaler.unscale_(self.model.parameters())
+                self.scaler.update(overflow)
+            if self.grad_clip and not overflow:
+                self._clip()
+            if not overflow:
+                set_lr(self.optimizer, self.hyper, lr)
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if self.replica_group is not None:
             dist.all_reduce(total, group=self.replica_group)
             total /= plan.mesh["dp"] * plan.mesh["ep"]
-        value = float(total)
-        elapsed = time.perf_counter() - start
-        if self.log_path is not None and self.rank == 0:
-            record = {"step": self.step_index, "loss": value,
-                      "tokens_per_s": plan.global_batch * self.seq / elapsed,
-                      "peak_memory_bytes": _peak_memory()}
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        self.step_index += 1
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss became {value} at step {self.step_index}")
-        return value
+        return total, lr
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -321,18 +350,43 @@ class Trainer:
         clip_grad_norm(params, self.grad_clip, self.pp_group, scale=list(self.model.parameters()))
 
     def train(self, steps: int, checkpoint_dir: str | Path | None = None,
-              checkpoint_every: int = 0) -> list[float]:
+              checkpoint_every: int = 0, evaluate=None, eval_every: int = 0,
+              profiler=None) -> list[float]:
         """Run ``steps`` steps; save a checkpoint every ``checkpoint_every`` steps and at the
-        end when ``checkpoint_dir`` is given."""
+        end when ``checkpoint_dir`` is given; call ``evaluate(trainer)`` every ``eval_every``
+        steps and at the end when given; ``profiler`` (an
+        :class:`autopar.runtime.profiling.StepProfiler`) records its window of steps. Each
+        step's record goes to the run log."""
         from autopar.runtime.checkpoint import save_checkpoint
 
+        # the schedule's horizon: the settings', else the one a resumed run was given, else
+        # this run's last step
+        self.hyper = self.hyper.with_horizon(self.horizon or self.step_index + steps)
+        self.horizon = self.hyper.decay_steps
         losses = []
-        for i in range(steps):
-            losses.append(self.train_step())
-            last = i == steps - 1
-            if checkpoint_dir and (last or (checkpoint_every and
-                                            self.step_index % checkpoint_every == 0)):
-                save_checkpoint(self, checkpoint_dir)
+        if self.log is not None:
+            self.log.start(steps)
+        if profiler is not None:
+            profiler.start(self)
+        try:
+            for i in range(steps):
+                losses.append(self.train_step())
+                if profiler is not None:
+                    profiler.step()
+                if self.log is not None:
+                    self.log.step(self.last_record, i + 1)
+                last = i == steps - 1
+                if checkpoint_dir and (last or (checkpoint_every and
+                                                self.step_index % checkpoint_every == 0)):
+                    save_checkpoint(self, checkpoint_dir)
+                if evaluate is not None and (last or (eval_every and
+                                                      self.step_index % eval_every == 0)):
+                    evaluate(self)
+            if profiler is not None:
+                self.profile_summary = profiler.finish(self.coords)
+        finally:
+            if self.log is not None:
+                self.log.close()
         return losses
 
     def resume(self, checkpoint_dir: str | Path) -> int:
@@ -397,6 +451,16 @@ def run_device(device_type: str) -> torch.device:
     index = int(os.environ.get("LOCAL_RANK", "0"))
     torch.accelerator.set_device_index(index)
     return torch.device(device_type, index)
+
+
+def measured_mfu(plan: Plan, step_time_s: float) -> float | None:
+    """The step's model-FLOP utilisation against the peak the plan was predicted with:
+    the predicted MFU scaled by predicted / measured step time (None when the plan predicts
+    none)."""
+    predicted = plan.predicted
+    if not (predicted.mfu and predicted.step_time_s and step_time_s > 0):
+        return None
+    return predicted.mfu * predicted.step_time_s / step_time_s
 
 
 def _peak_memory() -> int:

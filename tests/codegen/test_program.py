@@ -65,8 +65,8 @@ def test_torchrun_runs_the_program_file_and_edits_are_kept(tmp_path) -> None:
     direct = _losses(art)
     assert len(direct) == 2
     # a hand edit is kept, and said: this one halves the learning rate
-    text = program.read_text().replace("torch.optim.AdamW(params, lr=lr)",
-                                       "torch.optim.AdamW(params, lr=lr * 0.5)")
+    text = program.read_text().replace("torch.optim.AdamW(param_groups, lr=hp.lr,",
+                                       "torch.optim.AdamW(param_groups, lr=hp.lr * 0.5,")
     program.write_text(text)
     (art / "logs" / "train.jsonl").unlink()
     ran = _torchrun(2, "-m", "autopar", "run", str(art), "--steps", "2", "--device", "cpu")

@@ -1,0 +1,100 @@
+"""``autopar run``'s training options: the optimizer and schedule, evaluation, profiling and
+the console, parsed into the runtime's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from autopar.runtime.optim import DECAYS, Hyperparameters
+
+
+def _betas(ctx, param, value: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not two numbers like 0.9,0.95") from None
+    return b1, b2
+
+
+def _steps_range(ctx, param, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        start, end = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not START:END like 2:4") from None
+    if start < 0 or end <= start:
+        raise click.BadParameter(f"'{value}' needs 0 <= START < END (steps START..END-1 are "
+                                 f"recorded)")
+    return start, end
+
+
+_OPTIONS: list[Callable] = [
+    click.option("--lr", default=1e-3, show_default=True, type=float,
+                 help="Peak learning rate."),
+    click.option("--lr-schedule", "decay", type=click.Choice(DECAYS), default="constant",
+                 show_default=True, help="Decay after the warm-up."),
+    click.option("--warmup-steps", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="Linear warm-up steps."),
+    click.option("--decay-steps", default=None, type=click.IntRange(min=1),
+                 help="The schedule's horizon, warm-up included [default: this run's last "
+                      "step, or a resumed run's horizon]."),
+    click.option("--min-lr", default=0.0, show_default=True, type=float,
+                 help="Learning rate at the end of the decay."),
+    click.option("--weight-decay", default=0.01, show_default=True, type=float,
+                 help="AdamW weight decay of weights with 2+ dimensions (biases and norms: "
+                      "none)."),
+    click.option("--betas", default="0.9,0.999", show_default=True, callback=_betas,
+                 help="AdamW's beta1,beta2."),
+    click.option("--eps", default=1e-8, show_default=True, type=float, help="AdamW's eps."),
+    click.option("--grad-clip", default=1.0, show_default=True, type=float,
+                 help="Clip the global gradient norm to this (0: no clipping)."),
+    click.option("--eval", "eval_source", default=None,
+                 help="Held-out data for validation loss and perplexity: 'synthetic' or a "
+                      "token dataset PREFIX; logged to DIR/logs/eval.jsonl."),
+    click.option("--eval-every", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="With --eval: evaluate every N steps (and always at the end)."),
+    click.option("--eval-batches", default=2, show_default=True, type=click.IntRange(min=1),
+                 help="With --eval: held-out global batches per evaluation."),
+    click.option("--profile", "profile", is_flag=True,
+                 help="Record a torch.profiler trace per rank (DIR/logs/profile/, opens in "
+                      "Perfetto) and a per-stage summary of where the step went."),
+    click.option("--profile-steps", default=None, callback=_steps_range,
+                 help="With --profile: steps START:END of this run [default: the last "
+                      "min(3, steps - 1) steps, after a warm-up step]."),
+    click.option("--log-every", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="Print the console line every N steps (off a terminal)."),
+    click.option("--quiet", "-q", is_flag=True, help="No per-step console line."),
+]
+
+
+def training_options(command: Callable) -> Callable:
+    """Add the training options to a click command."""
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def hyperparameters(options: dict) -> Hyperparameters:
+    """The runtime's settings from the parsed options (a bad combination is a PlanError)."""
+    return Hyperparameters(lr=options["lr"], warmup_steps=options["warmup_steps"],
+                           decay=options["decay"], decay_steps=options["decay_steps"],
+                           min_lr=options["min_lr"], weight_decay=options["weight_decay"],
+                           betas=options["betas"], eps=options["eps"],
+                           grad_clip=options["grad_clip"])
+
+
+def profile_window(steps: int, chosen: tuple[int, int] | None) -> tuple[int, int]:
+    """Which steps of a run of ``steps`` the profiler records: ``chosen`` (checked against
+    the run), else the last up-to-3 steps after the first."""
+    from autopar.errors import PlanError
+
+    if chosen is None:
+        start = 1 if steps > 1 else 0
+        return max(start, steps - 3), steps
+    if chosen[1] > steps:
+        raise PlanError(f"--profile-steps {chosen[0]}:{chosen[1]} reaches past this run's "
+                        f"{steps} steps; lower END or raise --steps")
+    return chosen
