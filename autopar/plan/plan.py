@@ -215,12 +215,13 @@ class Plan:
                                 f"give param, compute and reduce as fp32, bf16 or fp16") from None
 
     # -- reading ----------------------------------------------------------------------------
-    def report(self, fmt: str = "text") -> str:
+    def report(self, fmt: str = "text", run: dict | None = None) -> str:
         """The strategy report: ``"text"``, ``"markdown"``, ``"html"`` (one self-contained
-        file with plots) or ``"json"``."""
+        file with plots) or ``"json"``; ``run`` (:func:`autopar.report.run.load_run` of an
+        artifact directory) adds what a run measured next to what was predicted."""
         from autopar.report import render
 
-        return render(self, fmt)
+        return render(self, fmt, run)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh}, mb={self.microbatch_size}x{self.num_microbatches}, "

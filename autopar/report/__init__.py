@@ -12,8 +12,9 @@ from autopar.errors import PlanError
 FORMATS = ("text", "markdown", "html", "json")
 
 
-def render(plan, fmt: str = "text") -> str:
-    """The report of ``plan`` in ``fmt`` (one of :data:`FORMATS`)."""
+def render(plan, fmt: str = "text", run: dict | None = None) -> str:
+    """The report of ``plan`` in ``fmt`` (one of :data:`FORMATS`); ``run``, what a run of it
+    logged (:func:`autopar.report.run.load_run`), adds the measured-vs-predicted view."""
     from autopar.report.sections import sections
     from autopar.report.summary import report_data
     from autopar.report.text import render_markdown, render_text
@@ -21,6 +22,10 @@ def render(plan, fmt: str = "text") -> str:
     if fmt not in FORMATS:
         raise PlanError(f"report format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     data = report_data(plan)
+    if run is not None:
+        from autopar.report.run import compare
+
+        data["run"] = compare(plan, run)
     if fmt == "json":
         return json.dumps(data, indent=2) + "\n"
     secs = sections(data)

@@ -27,7 +27,7 @@ def seconds(s: float | None) -> str:
     """``8.3 s``, ``174 ms``, ``1.96 us``; ``0 s`` for zero."""
     if s is None:
         return "-"
-    if s == 0:
+    if abs(s) < 1e-10:  # nothing worth a digit (a float's leftovers)
         return "0 s"
     for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
         if abs(s) >= scale:

@@ -114,12 +114,23 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
                                 "The busiest device of each stage; the dashed line is the "
                                 "usable memory per device."),
     }
+    run = data.get("run")
+    measured = ""
+    if run:
+        from autopar.report.run_plots import curves_png, measured_step_png
+
+        measured = _figure(measured_step_png(run), "measured step beside the predicted one",
+                           "Each stage's step as the plan predicted it and as the profiled "
+                           "run spent it, term by term.")
+        figures["run"] = _figure(curves_png(run), "loss and throughput of the run",
+                                 "The run's training loss (held-out loss dashed) and "
+                                 "tokens/s per step; the profiled steps are shaded.")
     body = []
     for s in secs:
         body.append(_section(s, figures))
         if s.anchor == "summary":
             body.append(f'<section id="timeline"><h2>One step, per stage</h2>{timeline}'
-                        f"</section>")
+                        f"{measured}</section>")
     nav = "".join(f'<a href="#{s.anchor}">{escape(s.title.split(",")[0])}</a>' for s in secs)
     from autopar import __version__
 
@@ -129,5 +140,6 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
             f'<body><main><h1>autopar plan</h1><p class="sub">{escape(data["title"])}</p>'
             f"{_cards(data)}<nav>{nav}</nav>{''.join(body)}"
             f"<footer>autopar {escape(__version__)}: every number is the cost model's "
-            f"prediction, recorded in the plan file at planning time.</footer>"
+            f"prediction, recorded in the plan file at planning time"
+            f"{', beside what the run measured' if run else ''}.</footer>"
             f"</main></body></html>\n")

@@ -264,9 +264,59 @@ def _serving_pairs(s: dict) -> list[tuple[str, str]]:
     return pairs
 
 
+def run_sections(d: dict) -> list[Section]:
+    """The run next to the plan (``autopar report DIR --run``): its outcome, then per stage
+    and term the predicted and measured time and the error."""
+    r = d.get("run")
+    if not r:
+        return []
+    pairs = [("steps", f"{r['steps']}: loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}")]
+    if r["eval"]:
+        e = r["eval"]
+        pairs.append(("evaluation", f"after step {e['step']}: loss {e['loss']:.4f}, perplexity "
+                                    f"{e['perplexity']:.2f} ({fmt.count(e['tokens'])} tokens)"))
+    for key, label, show in (("step_time_s", "step time", fmt.seconds),
+                             ("tokens_per_s", "tokens/s", fmt.count), ("mfu", "MFU", fmt.pct)):
+        v = r[key]
+        if v["measured"] is not None:
+            err = (v["predicted"] - v["measured"]) / v["measured"] if v["measured"] else None
+            pairs.append((label, f"measured {show(v['measured'])}, predicted "
+                                 f"{show(v['predicted'])} (error {fmt.pct(err, signed=True)})"))
+    out = [Section("The run", pairs=pairs, anchor="run",
+                   lines=[] if r["window"] else ["run with --profile for the per-term view"])]
+    if r["rows"]:
+        rows = []
+        for row in r["rows"]:
+            show = fmt.nbytes if row["term"] == "memory" else fmt.seconds
+            rows.append([str(row["stage"]), row["term"], show(row["predicted"]),
+                         show(row["measured"]), fmt.pct(row["error"], signed=True)])
+        lo, hi = r["window"]
+        out.append(Section(
+            f"Measured against predicted, per stage (profiled steps {lo}..{hi - 1})",
+            headers=["stage", "term", "predicted", "measured", "error"], rows=rows,
+            numeric={2, 3, 4}, anchor="measured",
+            lines=["error = (predicted - measured) / measured; communication is what held "
+                   "the stage's main thread (exposed); the bubble is its idle time and its "
+                   "waits on pipeline neighbours; memory is the peak that tensors held"]
+            + _collective_lines(r)))
+    return out
+
+
+def _collective_lines(r: dict) -> list[str]:
+    """Each collective's measured exposed time per stage, by the axis it served."""
+    lines = []
+    for s in r["stages"]:
+        comm = {k.removeprefix("comm:"): v for k, v in s["terms_s"].items()
+                if k.startswith("comm:") and v > 0}
+        if comm:
+            lines.append(f"stage {s['stage']} collectives (kind:axis, exposed): " + ", ".join(
+                f"{k} {fmt.seconds(v)}" for k, v in sorted(comm.items(), key=lambda kv: -kv[1])))
+    return lines
+
+
 def sections(d: dict) -> list[Section]:
     """Every section of the report, in reading order."""
-    out = [summary_section(d)]
+    out = [summary_section(d), *run_sections(d)]
     if d["notes"]:
         out.append(Section("Notes", lines=d["notes"], anchor="notes"))
     b = breakdown_section(d)
