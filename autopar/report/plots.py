@@ -23,7 +23,8 @@ MEMORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"
                  "activations": "#C44E52", "kv_cache": "#8172B3", "buffers": "#937860"}
 
 
-def _figure(width: float, height: float):
+def agg_figure(width: float, height: float):
+    """A matplotlib Figure on the Agg canvas (no pyplot state, no display needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -32,7 +33,8 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _png(fig) -> str:
+def png_base64(fig) -> str:
+    """``fig`` as a base64 PNG for an inline ``data:`` image (no timestamp: stable bytes)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight", metadata={"Software": None})
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -51,7 +53,7 @@ def timeline_png(plan: Plan, segments: list[Segment], simulated_s: float) -> str
     p = len(stages)
     predicted = plan.predicted.step_time_s
     scale, unit = _time_unit(max(simulated_s, predicted))
-    fig = _figure(11, 1.6 + 0.42 * min(p, 32))
+    fig = agg_figure(11, 1.6 + 0.42 * min(p, 32))
     ax = fig.add_subplot()
     comm_share = [s["comm_s"] / (s["fwd_s"] + s["bwd_s"]) if s["fwd_s"] + s["bwd_s"] else 0.0
                   for s in stages]
@@ -99,13 +101,13 @@ def timeline_png(plan: Plan, segments: list[Segment], simulated_s: float) -> str
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.2 / p),
               ncol=4, fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def memory_png(plan: Plan) -> str:
     """Stacked memory by kind per stage against the per-device budget."""
     stages = plan.predicted.stages
-    fig = _figure(max(5.0, 1.2 + 0.6 * len(stages)), 3.6)
+    fig = agg_figure(max(5.0, 1.2 + 0.6 * len(stages)), 3.6)
     ax = fig.add_subplot()
     xs = list(range(len(stages)))
     bottom = [0.0] * len(stages)
@@ -128,7 +130,7 @@ def memory_png(plan: Plan) -> str:
     ax.set_title("Memory per device, by stage", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def breakdown_png(data: dict) -> str | None:
@@ -140,7 +142,7 @@ def breakdown_png(data: dict) -> str | None:
              if a["breakdown"]]
     longest = max(sum(b.get(t, 0.0) for t in TIME_TERMS) for _, b in rows)
     scale, unit = _time_unit(longest)
-    fig = _figure(9, 1.2 + 0.38 * len(rows))
+    fig = agg_figure(9, 1.2 + 0.38 * len(rows))
     ax = fig.add_subplot()
     for term in TIME_TERMS:
         if not any(b.get(term) for _, b in rows):
@@ -163,4 +165,5 @@ def breakdown_png(data: dict) -> str | None:
     ax.set_title("Where the step time goes: the chosen plan and its runner-ups", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
+
