@@ -51,15 +51,15 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
       autopar compile llama3-8b --devices 64 --emit deepspeed   # also DIR/deepspeed.json
       autopar compile llama3-8b --devices 64 --constraints ds_config.json  # pins from it
-      autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \
+      autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \\
           --constraints engine=megatron --emit megatron      # a MindFormers job, for Megatron
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
-      autopar compile llama3-70b --devices 8 --cluster h100-80g --task infer \
+      autopar compile llama3-70b --devices 8 --cluster h100-80g --task infer \\
           --global-batch 32 --seq 4096          # 32 concurrent 4k-token sequences
-      autopar compile llama3-8b --devices 8 --task infer --global-batch 256 \
+      autopar compile llama3-8b --devices 8 --task infer --global-batch 256 \\
           --max-token-latency-ms 20             # the most tokens/s within 20 ms a token
       autopar compile llama3-8b --devices 8 --task finetune --peft lora   # LoRA, base frozen
-      autopar compile llama3-8b --devices 8 --task finetune \
+      autopar compile llama3-8b --devices 8 --task finetune \\
           --peft method=lora,r=16,lora_alpha=32,target_modules=all-linear
     """
     from autopar.search.api import plan as make_plan
