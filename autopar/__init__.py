@@ -1,8 +1,7 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
-Public surface (see docs/architecture.md): ``capture``, ``plan``, ``compile``, ``parallelize``,
-``Generator``, ``Cluster``, the error classes and the
-``ir`` module.
+Public surface (see docs/architecture.md): ``capture``, ``plan``, ``sweep``, ``compile``,
+``parallelize``, ``Generator``, ``Cluster``, the error classes and the ``ir`` module.
 """
 
 from autopar import ir
@@ -14,9 +13,10 @@ from autopar.plan import Plan
 from autopar.runtime.apply import parallelize
 from autopar.runtime.generate import Generator
 from autopar.search.api import plan
+from autopar.search.sweep import sweep
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "Generator", "InfeasibleError", "Plan",
            "PlanError",
-           "capture", "compile", "ir", "parallelize", "plan", "__version__"]
+           "capture", "compile", "ir", "parallelize", "plan", "sweep", "__version__"]

@@ -17,6 +17,7 @@ from autopar.cli.inspect_cmd import inspect_cmd
 from autopar.cli.profile_cmd import profile_cmd
 from autopar.cli.report_cmd import report_cmd
 from autopar.cli.run_cmd import run_cmd
+from autopar.cli.sweep_cmd import sweep_cmd
 from autopar.errors import AutoparError
 
 
@@ -28,6 +29,7 @@ def cli() -> None:
     \b
     Examples:
       autopar compile llama3-8b --devices 64 --global-batch 512   # plan it, print the report
+      autopar sweep llama3-8b --devices 8..1024 --out sweep.html  # best plan per budget
       autopar report autopar-llama3-8b-64 --out report.html       # report with plots
       autopar explain autopar-llama3-8b-64 --block model.layers.3 # why this sharding
       autopar diff autopar-llama3-8b-64 other-plan                # what changed, its effect
@@ -45,6 +47,7 @@ def cli() -> None:
 
 cli.add_command(inspect_cmd)
 cli.add_command(compile_cmd)
+cli.add_command(sweep_cmd)
 cli.add_command(report_cmd)
 cli.add_command(diff_cmd)
 cli.add_command(explain_cmd)

@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
-from autopar.cli.common import capture_model
-
-
-@contextlib.contextmanager
-def search_progress(quiet: bool) -> Iterator[object]:
-    """A progress bar on stderr for the search (silent when quiet or not a terminal)."""
-    if quiet or not sys.stderr.isatty():
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("", total=1.0)
-        yield lambda fraction, message: bar.update(task, completed=fraction,
-                                                   description=message)
+from autopar.cli.plan_options import capture_for_plan, plan_options, search_progress
 
 
 def _default_out(model: str, devices: int) -> Path:
@@ -38,34 +19,7 @@ def _default_out(model: str, devices: int) -> Path:
 @click.command("compile", short_help="Plan MODEL on N devices, print the report, write the artifact.")
 @click.argument("model")
 @click.option("--devices", required=True, type=click.IntRange(min=1), help="Total devices.")
-@click.option("--cluster", default="a100-80g", show_default=True,
-              help="A cost_models/ name or a profile YAML from `autopar profile`.")
-@click.option("--task", type=click.Choice(["train", "finetune", "infer"]), default="train",
-              show_default=True)
-@click.option("--global-batch", type=click.IntRange(min=1), default=None,
-              help="Sequences per optimizer step (infer: concurrent sequences) "
-                   "[default: what the constraints imply, else one per device].")
-@click.option("--seq", type=click.IntRange(min=1), default=None,
-              help="Tokens per sequence [default: the constraints' model seq_length, else "
-                   "the config's context, at most 4096].")
-@click.option("--constraints", default=None, multiple=True,
-              help="A YAML file (MindFormers YAML, DeepSpeed JSON and Megatron-LM arguments "
-                   "are recognised by content), a strategies/ preset (megatron-3d, "
-                   "zero3-only, data-parallel-only, mindformers-style) or k=v,k=v pins "
-                   "(tp=8,pp=2); repeat it to combine, later pins winning.")
-@click.option("--peft", default=None,
-              help="With --task finetune: a parameter-efficient method (lora, prefix_tuning, "
-                   "adapter, low_rank_adapter, bitfit, rdrop), k=v settings "
-                   "(method=lora,r=16,lora_alpha=32,target_modules=all-linear) or peft's "
-                   "adapter_config.json.")
-@click.option("--max-token-latency-ms", type=float, default=None,
-              help="With --task infer: the longest decoding step allowed; the plan then "
-                   "takes the concurrency (up to --global-batch) with the most tokens/s "
-                   "within it.")
-@click.option("--memory-limit-gb", type=float, default=None,
-              help="Usable memory per device [default: the cluster's].")
-@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0), default=None,
-              help="Stop the search after this many seconds and report the proven gap.")
+@plan_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Artifact directory [default: ./autopar-MODEL-DEVICES].")
 @click.option("--emit", type=click.Choice(["deepspeed", "megatron", "mindformers"]),
@@ -97,39 +51,23 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile mixtral-8x7b --devices 64 --constraints tp=2,ep=8 --out mixtral-plan
       autopar compile llama3-8b --devices 64 --emit deepspeed   # also DIR/deepspeed.json
       autopar compile llama3-8b --devices 64 --constraints ds_config.json  # pins from it
-      autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \
+      autopar compile llama2-70b --devices 64 --constraints mindformers.yaml \\
           --constraints engine=megatron --emit megatron      # a MindFormers job, for Megatron
       autopar compile tiny-llama --devices 4 --cluster ./profile.yaml --task infer
-      autopar compile llama3-70b --devices 8 --cluster h100-80g --task infer \
+      autopar compile llama3-70b --devices 8 --cluster h100-80g --task infer \\
           --global-batch 32 --seq 4096          # 32 concurrent 4k-token sequences
-      autopar compile llama3-8b --devices 8 --task infer --global-batch 256 \
+      autopar compile llama3-8b --devices 8 --task infer --global-batch 256 \\
           --max-token-latency-ms 20             # the most tokens/s within 20 ms a token
       autopar compile llama3-8b --devices 8 --task finetune --peft lora   # LoRA, base frozen
-      autopar compile llama3-8b --devices 8 --task finetune \
+      autopar compile llama3-8b --devices 8 --task finetune \\
           --peft method=lora,r=16,lora_alpha=32,target_modules=all-linear
     """
-    from autopar.cost.hardware import load_cluster
     from autopar.search.api import plan as make_plan
-    from autopar.search.constraints import load_constraints
 
-    constraints = list(constraints) or None
-    pins = load_constraints(constraints)  # bad pins and clusters fail before minutes of capture
-    load_cluster(cluster)
-    seq = seq or (pins.get("model") or {}).get("seq_length")
-    if peft is not None:
-        from autopar.errors import PlanError
-        from autopar.peft import parse_peft
-
-        if task != "finetune":
-            raise PlanError(f"--peft trains part of the model: add --task finetune (not "
-                            f"--task {task})")
-        peft = parse_peft(peft)  # a bad method or setting fails before the capture
-    if max_token_latency_ms is not None and task != "infer":
-        from autopar.errors import PlanError
-
-        raise PlanError(f"--max-token-latency-ms bounds a serving plan's decoding step: add "
-                        f"--task infer (not --task {task})")
-    graph = capture_model(model, 1, seq, quiet, peft=peft)
+    graph, constraints = capture_for_plan(model, cluster=cluster, task=task, seq=seq,
+                                          constraints=constraints, peft=peft,
+                                          max_token_latency_ms=max_token_latency_ms,
+                                          quiet=quiet)
     with search_progress(quiet) as progress:
         result = make_plan(graph, devices=devices, cluster=cluster, task=task,
                            global_batch=global_batch, constraints=constraints,

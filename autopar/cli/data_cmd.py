@@ -60,7 +60,7 @@ def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, voc
       autopar data prepare corpus.txt --out data/corpus            # trains a 4096-id BPE
       autopar data prepare a.jsonl b.jsonl.gz --out data/web --text-key content
       autopar data prepare wiki.txt --out data/wiki --tokenizer ./llama/tokenizer.json
-      autopar data prepare pairs.jsonl --format instruction --tokenizer ./Llama-3.2-1B \
+      autopar data prepare pairs.jsonl --format instruction --tokenizer ./Llama-3.2-1B \\
           --seq 2048 --out data/sft
     """
     if kind == "instruction":

@@ -215,6 +215,12 @@ class Plan:
                                 f"give param, compute and reduce as fp32, bf16 or fp16") from None
 
     # -- reading ----------------------------------------------------------------------------
+    def recompute_counts(self) -> dict[str, int]:
+        """Blocks per recompute mode, in the order none, selective, full: ``{"none": 30,
+        "full": 4}``."""
+        return {m: self.recompute.count(m) for m in ("none", "selective", "full")
+                if self.recompute.count(m)}
+
     def report(self, fmt: str = "text", run: dict | None = None) -> str:
         """The strategy report: ``"text"``, ``"markdown"``, ``"html"`` (one self-contained
         file with plots) or ``"json"``; ``run`` (:func:`autopar.report.run.load_run` of an

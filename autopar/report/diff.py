@@ -14,9 +14,7 @@ _FIELDS = ("devices", "cluster", "task", "global_batch", "microbatch_size", "num
 
 
 def _modes(plan: Plan) -> str:
-    counts = {m: plan.recompute.count(m) for m in ("none", "selective", "full")
-              if plan.recompute.count(m)}
-    return fmt.recompute_counts(counts)
+    return fmt.recompute_counts(plan.recompute_counts())
 
 
 def _pinned(plan: Plan) -> str:

@@ -75,6 +75,14 @@ def recompute_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{mode} {n}" for mode, n in counts.items())
 
 
+def recompute_short(counts: dict[str, int | None]) -> str:
+    """For a table cell: ``none`` when every block shares a mode, else ``full 30, none 4``
+    (a mode without a count is named alone)."""
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{k} {v}" if v is not None else k for k, v in counts.items())
+
+
 def offload(items: list[str]) -> str:
     """``optimizer+params``, or ``none``."""
     return "+".join(items) if items else "none"

@@ -39,7 +39,8 @@ footer { color: #888; font-size: 12px; margin-top: 40px; }
 """
 
 
-def _table(s: Section) -> str:
+def table_html(s: Section) -> str:
+    """``s``'s table; its numeric columns aligned right, a "binding" cell in red."""
     head = "".join(f'<th class="{"n" if i in s.numeric else ""}">{escape(h)}</th>'
                    for i, h in enumerate(s.headers))
     body = []
@@ -52,7 +53,8 @@ def _table(s: Section) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def _section(s: Section, figures: dict[str, str]) -> str:
+def section_html(s: Section, figures: dict[str, str]) -> str:
+    """``s`` as an HTML section, followed by ``figures[s.anchor]`` when there is one."""
     parts = [f'<section id="{s.anchor}"><h2>{escape(s.title)}</h2>']
     if s.anchor == "notes":
         return (parts[0] + '<div class="notes">' + "<br>".join(escape(x) for x in s.lines)
@@ -62,7 +64,7 @@ def _section(s: Section, figures: dict[str, str]) -> str:
             f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in s.pairs)
             + "</tbody></table>")
     if s.rows:
-        parts.append(_table(s))
+        parts.append(table_html(s))
     if s.lines:
         parts.append('<div class="lines">' + "<br>".join(escape(x) for x in s.lines)
                      + "</div>")
@@ -71,7 +73,8 @@ def _section(s: Section, figures: dict[str, str]) -> str:
     return "".join(parts)
 
 
-def _figure(png: str | None, alt: str, caption: str) -> str:
+def figure_html(png: str | None, alt: str, caption: str) -> str:
+    """An inline PNG figure with its caption; nothing when there is no figure."""
     if not png:
         return ""
     return (f'<figure><img alt="{escape(alt)}" src="data:image/png;base64,{png}">'
@@ -101,45 +104,51 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
     from autopar.report.timeline import plan_timeline
 
     segments, simulated = plan_timeline(plan)
-    timeline = _figure(
+    timeline = figure_html(
         timeline_png(plan, segments, simulated), "pipeline timeline of one step",
         f"Simulated from the per-stage forward/backward times ({fmt.seconds(simulated)}); the "
         f"cost model predicts {fmt.seconds(plan.predicted.step_time_s)}."
         + (" Red tails are the tensor/expert-parallel share of each forward and backward."
            if any(s["comm_s"] for s in plan.predicted.stages) else ""))
     figures = {
-        "breakdown": _figure(breakdown_png(data), "step time breakdown",
-                             "Each bar adds up to that plan's predicted step time."),
-        "stage-memory": _figure(memory_png(plan), "memory per stage",
-                                "The busiest device of each stage; the dashed line is the "
-                                "usable memory per device."),
+        "breakdown": figure_html(breakdown_png(data), "step time breakdown",
+                                 "Each bar adds up to that plan's predicted step time."),
+        "stage-memory": figure_html(memory_png(plan), "memory per stage",
+                                    "The busiest device of each stage; the dashed line is the "
+                                    "usable memory per device."),
     }
     run = data.get("run")
     measured = ""
     if run:
         from autopar.report.run_plots import curves_png, measured_step_png
 
-        measured = _figure(measured_step_png(run), "measured step beside the predicted one",
-                           "Each stage's step as the plan predicted it and as the profiled "
-                           "run spent it, term by term.")
-        figures["run"] = _figure(curves_png(run), "loss and throughput of the run",
-                                 "The run's training loss (held-out loss dashed) and "
-                                 "tokens/s per step; the profiled steps are shaded.")
+        measured = figure_html(measured_step_png(run), "measured step beside the predicted one",
+                               "Each stage's step as the plan predicted it and as the profiled "
+                               "run spent it, term by term.")
+        figures["run"] = figure_html(curves_png(run), "loss and throughput of the run",
+                                     "The run's training loss (held-out loss dashed) and "
+                                     "tokens/s per step; the profiled steps are shaded.")
     body = []
     for s in secs:
-        body.append(_section(s, figures))
+        body.append(section_html(s, figures))
         if s.anchor == "summary":
             body.append(f'<section id="timeline"><h2>One step, per stage</h2>{timeline}'
                         f"{measured}</section>")
     nav = "".join(f'<a href="#{s.anchor}">{escape(s.title.split(",")[0])}</a>' for s in secs)
+    return page_html("autopar plan", data["title"],
+                     f"{_cards(data)}<nav>{nav}</nav>{''.join(body)}",
+                     "every number is the cost model's prediction, recorded in the plan file "
+                     "at planning time" + (", beside what the run measured." if run else "."))
+
+
+def page_html(heading: str, subtitle: str, body: str, footer: str) -> str:
+    """One self-contained page: the report's inline CSS, ``body`` (HTML), no scripts, nothing
+    fetched; ``heading`` and ``subtitle`` (text) name it, ``footer`` (text) closes it."""
     from autopar import __version__
 
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>autopar plan: {escape(data['title'])}</title><style>{_CSS}</style></head>"
-            f'<body><main><h1>autopar plan</h1><p class="sub">{escape(data["title"])}</p>'
-            f"{_cards(data)}<nav>{nav}</nav>{''.join(body)}"
-            f"<footer>autopar {escape(__version__)}: every number is the cost model's "
-            f"prediction, recorded in the plan file at planning time"
-            f"{', beside what the run measured' if run else ''}.</footer>"
+            f"<title>{escape(heading)}: {escape(subtitle)}</title><style>{_CSS}</style></head>"
+            f'<body><main><h1>{escape(heading)}</h1><p class="sub">{escape(subtitle)}</p>'
+            f"{body}<footer>autopar {escape(__version__)}: {escape(footer, quote=False)}</footer>"
             f"</main></body></html>\n")

@@ -23,7 +23,8 @@ MEMORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"
                  "activations": "#C44E52", "kv_cache": "#8172B3", "buffers": "#937860"}
 
 
-def _figure(width: float, height: float):
+def agg_figure(width: float, height: float):
+    """A matplotlib Figure on the Agg canvas (no pyplot state, no display needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -32,13 +33,14 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _png(fig) -> str:
+def png_base64(fig) -> str:
+    """``fig`` as a base64 PNG for an inline ``data:`` image (no timestamp: stable bytes)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight", metadata={"Software": None})
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _time_unit(longest: float) -> tuple[float, str]:
+def time_unit(longest: float) -> tuple[float, str]:
     for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
         if longest >= scale:
             return scale, unit
@@ -50,8 +52,8 @@ def timeline_png(plan: Plan, segments: list[Segment], simulated_s: float) -> str
     stages = plan.predicted.stages
     p = len(stages)
     predicted = plan.predicted.step_time_s
-    scale, unit = _time_unit(max(simulated_s, predicted))
-    fig = _figure(11, 1.6 + 0.42 * min(p, 32))
+    scale, unit = time_unit(max(simulated_s, predicted))
+    fig = agg_figure(11, 1.6 + 0.42 * min(p, 32))
     ax = fig.add_subplot()
     comm_share = [s["comm_s"] / (s["fwd_s"] + s["bwd_s"]) if s["fwd_s"] + s["bwd_s"] else 0.0
                   for s in stages]
@@ -99,13 +101,13 @@ def timeline_png(plan: Plan, segments: list[Segment], simulated_s: float) -> str
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.2 / p),
               ncol=4, fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def memory_png(plan: Plan) -> str:
     """Stacked memory by kind per stage against the per-device budget."""
     stages = plan.predicted.stages
-    fig = _figure(max(5.0, 1.2 + 0.6 * len(stages)), 3.6)
+    fig = agg_figure(max(5.0, 1.2 + 0.6 * len(stages)), 3.6)
     ax = fig.add_subplot()
     xs = list(range(len(stages)))
     bottom = [0.0] * len(stages)
@@ -128,7 +130,7 @@ def memory_png(plan: Plan) -> str:
     ax.set_title("Memory per device, by stage", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def breakdown_png(data: dict) -> str | None:
@@ -139,8 +141,8 @@ def breakdown_png(data: dict) -> str | None:
     rows += [(f"#{i}", a["breakdown"]) for i, a in enumerate(data["runner_ups"], 1)
              if a["breakdown"]]
     longest = max(sum(b.get(t, 0.0) for t in TIME_TERMS) for _, b in rows)
-    scale, unit = _time_unit(longest)
-    fig = _figure(9, 1.2 + 0.38 * len(rows))
+    scale, unit = time_unit(longest)
+    fig = agg_figure(9, 1.2 + 0.38 * len(rows))
     ax = fig.add_subplot()
     for term in TIME_TERMS:
         if not any(b.get(term) for _, b in rows):
@@ -163,4 +165,68 @@ def breakdown_png(data: dict) -> str | None:
     ax.set_title("Where the step time goes: the chosen plan and its runner-ups", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
+
+
+def sweep_png(rows: list, labels: list[list[str]]) -> str:
+    """Three panels against the device budget (log2 axis), one point per budget with a plan:
+    tokens/s and tokens/s per device, MFU, memory per device against the usable memory.
+    ``labels[i]`` (what changed, one line each) is written along a dotted line between
+    budgets i-1 and i; budgets without a plan are red bands."""
+    budgets = [r.devices for r in rows]
+    ok = [r for r in rows if r.plan is not None]
+    xs = [r.devices for r in ok]
+    fig = agg_figure(9, 9)
+    top, mid, low = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [1.6, 1, 1]})
+    top.plot(xs, [r.plan.predicted.tokens_per_s for r in ok], "o-", color="#4C72B0",
+             label="tokens/s (left, log)")
+    top.set_yscale("log")
+    top.set_ylabel("tokens/s")
+    per = top.twinx()
+    per.plot(xs, [r.plan.predicted.tokens_per_s / r.devices for r in ok], "s--",
+             color="#DD8452", label="tokens/s per device (right)")
+    per.set_ylim(0, max(r.plan.predicted.tokens_per_s / r.devices for r in ok) * 1.15)
+    per.set_ylabel("tokens/s per device")
+    handles = top.get_legend_handles_labels()[0] + per.get_legend_handles_labels()[0]
+    top.legend(handles=handles, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+               ncol=2, frameon=False)
+    mid.plot(xs, [r.plan.predicted.mfu * 100 for r in ok], "o-", color="#55A868")
+    mid.set_ylim(0, max(r.plan.predicted.mfu * 100 for r in ok) * 1.2)
+    mid.set_ylabel("MFU (%)")
+    low.plot(xs, [r.plan.predicted.memory["total"] / 1e9 for r in ok], "o-", color="#C44E52",
+             label="busiest device")
+    usable = [r.plan.memory_limit_bytes / 1e9 for r in ok]
+    low.plot(xs, usable, "k--", linewidth=1, label=f"usable ({max(usable):.3g} GB)")
+    low.set_ylim(0, max(usable) * 1.15)
+    low.set_ylabel("GB per device")
+    low.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2,
+               frameon=False)
+    for i, (r, label) in enumerate(zip(rows, labels, strict=True)):
+        if r.plan is None:
+            lo = (budgets[i - 1] * r.devices) ** 0.5 if i else r.devices / 1.3
+            hi = (budgets[i + 1] * r.devices) ** 0.5 if i + 1 < len(rows) else r.devices * 1.3
+            for ax in (top, mid, low):
+                ax.axvspan(lo, hi, color="#C44E52", alpha=0.12, linewidth=0)
+            mid.text(r.devices, 2, "no plan", ha="center", va="bottom", fontsize=8,
+                     color="#C44E52")
+        elif label and i:
+            at = (budgets[i - 1] * r.devices) ** 0.5  # halfway on the log axis
+            for ax in (top, mid, low):
+                ax.axvline(at, color="#555555", linestyle=":", linewidth=1)
+            # one rotated line per change keeps neighbouring markers' labels apart
+            per.text(at, 0.97, "\n".join(label), transform=per.get_xaxis_transform(),
+                     rotation=90, ha="center", va="top", multialignment="right", fontsize=7,
+                     color="#333333",
+                     bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none",
+                           "pad": 1})
+    low.set_xscale("log", base=2)
+    low.set_xticks(budgets)
+    low.set_xticklabels([str(b) for b in budgets], fontsize=8)
+    from matplotlib.ticker import NullLocator
+
+    low.xaxis.set_minor_locator(NullLocator())  # the log axis' own minor ticks would be labelled
+    low.set_xlim(budgets[0] / 1.4, budgets[-1] * 1.4)
+    low.set_xlabel("devices")
+    for ax in (top, mid, low):
+        ax.grid(alpha=0.3)
+    return png_base64(fig)

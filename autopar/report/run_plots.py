@@ -3,7 +3,7 @@ and term, and the run's loss and throughput curves (matplotlib, Agg, base64 PNG)
 
 from __future__ import annotations
 
-from autopar.report.plots import _figure, _png, _time_unit
+from autopar.report.plots import agg_figure, png_base64, time_unit
 from autopar.report.run import TERMS
 
 TERM_COLORS = {"compute": "#4C72B0", "tp/ep comm (exposed)": "#C44E52",
@@ -24,8 +24,8 @@ def measured_step_png(run: dict) -> str | None:
             bars.append((f"stage {s} {which}",
                          {t: value[(s, t)][which] for t in terms if (s, t) in value}))
     longest = max(sum(b.values()) for _, b in bars)
-    scale, unit = _time_unit(longest)
-    fig = _figure(10, 1.3 + 0.42 * len(bars))
+    scale, unit = time_unit(longest)
+    fig = agg_figure(10, 1.3 + 0.42 * len(bars))
     ax = fig.add_subplot()
     for term in terms:
         lefts = [sum(b.get(t, 0.0) for t in terms[:terms.index(term)]) / scale for _, b in bars]
@@ -46,13 +46,13 @@ def measured_step_png(run: dict) -> str | None:
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def curves_png(run: dict) -> str:
     """The run's loss (and held-out loss) and tokens/s, step by step."""
     c = run["curves"]
-    fig = _figure(10, 3.2)
+    fig = agg_figure(10, 3.2)
     loss, speed = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     loss.plot(c["step"], c["loss"], color="#4C72B0", marker="." if len(c["step"]) < 50
               else None, label="training loss")
@@ -78,4 +78,4 @@ def curves_png(run: dict) -> str:
     speed.set_title("Throughput", fontsize=10)
     speed.legend(fontsize=8, frameon=False)
     speed.grid(alpha=0.3)
-    return _png(fig)
+    return png_base64(fig)

@@ -175,13 +175,6 @@ def stage_memory_section(d: dict) -> Section:
                    rows=rows, numeric=set(range(1, 9)), anchor="stage-memory")
 
 
-def _modes(rec: dict) -> str:
-    """``none`` when every block shares a mode, else ``full 30, none 4``."""
-    if len(rec) == 1:
-        return next(iter(rec))
-    return ", ".join(f"{k} {v}" if v is not None else k for k, v in rec.items())
-
-
 def runner_up_section(d: dict) -> Section:
     """The runner-ups: their choices, how much slower and larger, what they lost on."""
     rows = []
@@ -190,7 +183,7 @@ def runner_up_section(d: dict) -> Section:
         rows.append([str(i), fmt.mesh(a["mesh"]) + (" sp" if a["sequence_parallel"] else ""),
                      f"ZeRO-{a['zero_stage']}", a["schedule"],
                      f"{a['microbatch_size']} x {a['num_microbatches']}",
-                     _modes(rec),
+                     fmt.recompute_short(rec),
                      fmt.offload(a["offload"]), fmt.seconds(a["step_time_s"]),
                      fmt.pct(a["slower"], signed=True),
                      fmt.seconds(a["worst_case_s"]) if a.get("worst_case_s") else "-",

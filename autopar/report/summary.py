@@ -17,10 +17,6 @@ _ZERO = {0: "none (every data-parallel rank holds all states)",
          3: "stage 3 (parameters, gradients and optimizer states sharded over dp)"}
 
 
-def _counts(modes: list[str]) -> dict[str, int]:
-    return {m: modes.count(m) for m in ("none", "selective", "full") if modes.count(m)}
-
-
 def _title(plan: Plan) -> str:
     name = plan.model.get("model_type") or plan.model.get("source", "model")
     return (f"{name} ({plan.model.get('params', 0):,} params), {plan.task} on {plan.devices} x "
@@ -176,7 +172,7 @@ def report_data(plan: Plan) -> dict:
             "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "zero_stage": plan.zero_stage, "zero": _ZERO.get(plan.zero_stage, "?"),
-            "recompute": _counts(plan.recompute), "offload": list(plan.offload),
+            "recompute": plan.recompute_counts(), "offload": list(plan.offload),
             "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
             "bubble_s": p.bubble_s, "memory": dict(p.memory), "memory_limit_bytes": limit,
             "memory_fraction": p.memory["total"] / limit if limit else None,

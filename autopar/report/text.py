@@ -20,9 +20,9 @@ def text_table(headers: list[str], rows: list[list[str]], numeric: set[int] = fr
     return out + [line(r) for r in rows]
 
 
-def render_text(title: str, secs: list[Section]) -> str:
+def render_text(title: str, secs: list[Section], heading: str = "autopar plan") -> str:
     """The report for a terminal."""
-    lines = [f"autopar plan: {title}"]
+    lines = [f"{heading}: {title}"]
     for s in secs:
         lines += ["", s.title]
         if s.pairs:
@@ -46,9 +46,9 @@ def md_table(headers: list[str], rows: list[list[str]], numeric: set[int] = froz
             for r in (headers, rule, *rows)]
 
 
-def render_markdown(title: str, secs: list[Section]) -> str:
+def render_markdown(title: str, secs: list[Section], heading: str = "autopar plan") -> str:
     """The report as markdown (for a pull request, a wiki, an issue)."""
-    lines = [f"# autopar plan: {title}"]
+    lines = [f"# {heading}: {title}"]
     for s in secs:
         lines += ["", f"## {s.title}", ""]
         if s.pairs:

@@ -65,39 +65,12 @@ def plan(
     if not isinstance(devices, int) or devices < 1:
         raise PlanError(f"devices must be a positive integer, got {devices!r}")
     pins = load_constraints(constraints)
-    if global_batch is None:  # what the pins imply (another engine's config), else one each
-        implied = [pins.get(k) for k in ("dp", "microbatch_size", "num_microbatches")]
-        global_batch = devices if None in implied else \
-            implied[0] * pins.get("ep", 1) * implied[1] * implied[2]
+    if global_batch is None:
+        global_batch = default_global_batch(pins, devices)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     hw = load_cluster(cluster)
-    seq = seq or (pins.get("model") or {}).get("seq_length")
-    peft_config = None
-    if peft is not None:
-        from autopar.peft import parse_peft
-
-        if task != "finetune":
-            raise PlanError(f"peft= trains part of the model: it needs task='finetune', not "
-                            f"{task!r}")
-        peft_config = parse_peft(peft)
-        if isinstance(model, Graph) and model.peft != peft_config.to_dict():
-            raise PlanError("peft= transforms the model before capture; pass the model (or "
-                            "its name) rather than a captured graph, or capture it with "
-                            "autopar.capture(model, peft=...)")
-    if isinstance(model, Graph):
-        graph = model
-        if graph.peft and task != "finetune":
-            raise PlanError(f"the graph was captured with a fine-tuning method: plan it with "
-                            f"task='finetune', not {task!r}")
-    elif isinstance(model, (str, Path)) and example_inputs is None:
-        from autopar.capture import capture
-
-        graph = capture(model, seq=seq, peft=peft_config)
-    else:
-        from autopar.capture import capture
-
-        graph = capture(model, example_inputs, peft=peft_config)
+    graph = model_graph(model, example_inputs, task, pins, seq, peft)
     capacity = (memory_limit_gb * 1e9 if memory_limit_gb is not None
                 else hw.device.usable_memory_bytes)
     if capacity <= 0:
@@ -150,6 +123,47 @@ def plan(
                                           result.memory_rejected_bounds)
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
     return plan
+
+
+def default_global_batch(pins: dict, devices: int) -> int:
+    """What :func:`plan` takes when no global batch is given: what the pins imply (another
+    engine's config states dp, micro-batch size and micro-batches), else one per device."""
+    implied = [pins.get(k) for k in ("dp", "microbatch_size", "num_microbatches")]
+    if None in implied:
+        return devices
+    return implied[0] * pins.get("ep", 1) * implied[1] * implied[2]
+
+
+def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, task: str,
+                pins: dict, seq: int | None = None, peft: object = None) -> Graph:
+    """The graph :func:`plan` searches: ``model`` captured as ``plan`` captures it (``seq``
+    defaulting to the pins' model seq_length, transformed by ``peft``), or a captured Graph
+    checked against ``task`` and ``peft``. Capture once with it to plan many budgets."""
+    if task not in TASKS:
+        raise PlanError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    seq = seq or (pins.get("model") or {}).get("seq_length")
+    peft_config = None
+    if peft is not None:
+        from autopar.peft import parse_peft
+
+        if task != "finetune":
+            raise PlanError(f"peft= trains part of the model: it needs task='finetune', not "
+                            f"{task!r}")
+        peft_config = parse_peft(peft)
+        if isinstance(model, Graph) and model.peft != peft_config.to_dict():
+            raise PlanError("peft= transforms the model before capture; pass the model (or "
+                            "its name) rather than a captured graph, or capture it with "
+                            "autopar.capture(model, peft=...)")
+    if isinstance(model, Graph):
+        if model.peft and task != "finetune":
+            raise PlanError(f"the graph was captured with a fine-tuning method: plan it with "
+                            f"task='finetune', not {task!r}")
+        return model
+    from autopar.capture import capture
+
+    if isinstance(model, (str, Path)) and example_inputs is None:
+        return capture(model, seq=seq, peft=peft_config)
+    return capture(model, example_inputs, peft=peft_config)
 
 
 def _shape(graph: Graph) -> dict[str, int]:
