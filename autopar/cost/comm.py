@@ -192,9 +192,9 @@ def collective_time(kind: str, nbytes: float, placement: AxisPlacement, cluster:
     if n <= 1 or nbytes <= 0:
         return 0.0
     if placement.nodes <= 1:
-        for fit_kind, alpha, beta in cluster.collective_fits:  # measured on this node
-            if fit_kind == kind:
-                return ring_time(kind, nbytes, n, Link(beta, alpha))
+        fit = measured_fit(cluster, kind, n)  # measured on this node
+        if fit is not None:
+            return ring_time(kind, nbytes, n, Link(fit[1], fit[0]))
     if kind == "send_recv":
         return p2p_link_time(nbytes, placement.nodes > 1, cluster)
     launch = cluster.device.kernel_overhead_s  # type: ignore[union-attr]
@@ -205,15 +205,23 @@ def collective_time(kind: str, nbytes: float, placement: AxisPlacement, cluster:
     return launch + _plain_ring_time(kind, nbytes, placement, cluster)
 
 
+def measured_fit(cluster: Cluster, kind: str, ranks: int) -> tuple[float, float] | None:
+    """(alpha, beta) measured on this node for ``kind``: the fit for groups of ``ranks``
+    when runs measured one (on cores shared by processes the group size matters beyond the
+    ring's steps), else the kind's; None when nothing was measured."""
+    fits = {k: (a, b) for k, a, b in cluster.collective_fits}
+    return fits.get(f"{kind}@{ranks}") or fits.get(kind)
+
+
 def p2p_link_time(nbytes: float, across_nodes: bool, cluster: Cluster) -> float:
     """One point-to-point send between two devices, inside a node or across the network."""
     node = cluster.node
     if across_nodes:
         bw, hop = node.inter_bandwidth * node.inter_efficiency, node.inter_latency
     else:
-        for fit_kind, alpha, beta in cluster.collective_fits:
-            if fit_kind == "send_recv":
-                return alpha + nbytes / beta
+        fit = measured_fit(cluster, "send_recv", 2)
+        if fit is not None:
+            return fit[0] + nbytes / fit[1]
         bw, hop = node.intra_bandwidth * node.intra_efficiency, node.intra_latency
     return node.collective_latency + hop + nbytes / bw
 

@@ -35,8 +35,10 @@ def matmul_dims(op: OpNode) -> tuple[int, int, int]:
 
 
 def matmul_efficiency(device: DeviceSpec, m: float, n: float, k: float = 0.0) -> float:
-    """Achieved / peak rate of an m x n output matmul: the best-shape efficiency times the
-    tile and wave utilisation of the device's compute units."""
+    """Achieved / peak rate of an m x n (x k) matmul: the best-shape efficiency times the
+    tile and wave utilisation of the device's compute units; on a device calibrated from runs
+    (``efficiency.matmul_by_flops``), the rate measured for calls of its size instead of the
+    best-shape one."""
     units = max(device.compute_units, 1)
     rows, cols = device.matmul_tile
     m, n = max(m, 1.0), max(n, 1.0)
@@ -45,7 +47,8 @@ def matmul_efficiency(device: DeviceSpec, m: float, n: float, k: float = 0.0) ->
         tiles = math.ceil(m / a) * math.ceil(n / b)
         waves = math.ceil(tiles / units)
         best = max(best, m * n / (waves * units * a * b))
-    return device.efficiency.matmul * min(best, 1.0)
+    measured = device.efficiency.matmul_at(2 * m * n * k)
+    return (device.efficiency.matmul if measured is None else measured) * min(best, 1.0)
 
 
 def op_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float, byte_scale: float,

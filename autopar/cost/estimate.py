@@ -32,7 +32,7 @@ from autopar.cost.memory import (
     offload_transfer,
     optimizer_step_time,
 )
-from autopar.cost.pipeline import pipeline_step_time
+from autopar.cost.pipeline import lone_stage_speedup, pipeline_step_time, shared_pipeline_time
 from autopar.cost.precision import Precision, state_bytes
 from autopar.ir.graph import Graph
 
@@ -300,12 +300,16 @@ def combine_stages(graph: Graph, cluster: Cluster, config: ParallelConfig,
     device = cluster.device
     m = config.num_microbatches
     p2p = max((p2p_time(s.send_bytes, config, cluster) for s in stage_costs[:-1]), default=0.0)
-    step, bubble = pipeline_step_time([s.fwd_s for s in stage_costs],
-                                      [s.bwd_s for s in stage_costs], m, config.schedule,
-                                      config.virtual_stages, p2p,
-                                      [s.weight_grad_s for s in stage_costs],
-                                      p2p_hidden_share(config, cluster),
-                                      device.overlap.compute_slowdown)
+    schedule = dict(schedule=config.schedule, virtual_stages=config.virtual_stages,
+                    p2p_s=p2p, weight_grad_s=[s.weight_grad_s for s in stage_costs],
+                    p2p_hidden=p2p_hidden_share(config, cluster),
+                    p2p_slowdown=device.overlap.compute_slowdown)
+    fwd, bwd = [s.fwd_s for s in stage_costs], [s.bwd_s for s in stage_costs]
+    speedup = lone_stage_speedup(config, cluster)
+    if speedup > 1:  # stages time-share the node's cores: a lone one computes faster
+        step, bubble = shared_pipeline_time(fwd, bwd, m, speedup, **schedule)
+    else:
+        step, bubble = pipeline_step_time(fwd, bwd, m, **schedule)
     step += max(s.tail_s for s in stage_costs)
     optimizer_s = max(s.optimizer_s for s in stage_costs)
     offload_s = max(s.offload_s for s in stage_costs)

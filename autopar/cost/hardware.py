@@ -29,6 +29,19 @@ class Efficiency:
     matmul: float  # best-shape GEMM rate / dtype peak; tile and wave effects come on top
     memory: float  # elementwise / copy bandwidth / memory_bandwidth
     attention: float  # fused attention rate / dtype peak
+    # measured by shape class (``autopar profile --from-run``): (most FLOPs of a call, its
+    # achieved / peak rate), ascending; a call above the last class takes the last. Empty:
+    # ``matmul`` for every shape (with the tile and wave effects)
+    matmul_by_flops: tuple[tuple[float, float], ...] = ()
+
+    def matmul_at(self, flops: float) -> float | None:
+        """The measured efficiency of a matmul call of ``flops`` FLOPs (None: no classes)."""
+        if not self.matmul_by_flops:
+            return None
+        for upper, efficiency in self.matmul_by_flops:
+            if flops <= upper:
+                return efficiency
+        return self.matmul_by_flops[-1][1]
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,10 @@ class NodeSpec:
     ``collective_latency`` per collective."""
 
     devices_per_node: int
+    # devices of the node that compute at full rate at once: devices_per_node where each has
+    # its own chip; fewer where processes time-share CPU cores (peak_flops is then the rate
+    # with all of them busy, and one computing alone runs faster)
+    compute_slots: int
     intra_bandwidth: float
     intra_efficiency: float
     intra_latency: float
@@ -107,7 +124,8 @@ class Cluster:
     devices_per_node: int | None = None
     nodes: int | None = None
     node: NodeSpec | None = None
-    # measured intra-node (alpha s, beta B/s) per collective, from `autopar profile`
+    # measured intra-node (alpha s, beta B/s) per collective, from `autopar profile`; a kind
+    # "all_reduce@4" holds the fit for groups of 4 ranks (what runs measured, if they did)
     collective_fits: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -120,7 +138,11 @@ class Cluster:
         if self.node is None:
             raise PlanError("Cluster needs a node description; load one from cost_models/")
         if self.devices_per_node is not None and self.devices_per_node != self.node.devices_per_node:
-            object.__setattr__(self, "node", replace(self.node, devices_per_node=self.devices_per_node))
+            # a node of another size keeps the catalog's share of devices per compute slot
+            share = self.node.devices_per_node / self.node.compute_slots
+            slots = max(1, min(self.devices_per_node, round(self.devices_per_node / share)))
+            object.__setattr__(self, "node", replace(self.node, devices_per_node=self.devices_per_node,
+                                                     compute_slots=slots))
         object.__setattr__(self, "devices_per_node", self.node.devices_per_node)
 
     @property
@@ -183,7 +205,22 @@ def _section(d: dict, key: str, where: str, parent: str = "") -> dict:
 
 
 def _numbers(d: dict, cls: type, where: str, section: str) -> dict:
-    return {f.name: float(_require(d, f.name, where, section)) for f in fields(cls)}
+    """Every float field of ``cls`` (those with a default are optional refinements)."""
+    from dataclasses import MISSING
+
+    return {f.name: float(_require(d, f.name, where, section)) for f in fields(cls)
+            if f.default is MISSING and f.default_factory is MISSING}
+
+
+def _flop_classes(d: dict, where: str) -> tuple[tuple[float, float], ...]:
+    """``efficiency.matmul_by_flops``: [[most FLOPs, efficiency], ...] with rising bounds."""
+    raw = d.get("matmul_by_flops") or []
+    classes = tuple((float(upper), float(eff)) for upper, eff in raw)
+    if any(not 0 < e <= 10 for _, e in classes) or \
+            any(a[0] >= b[0] for a, b in zip(classes, classes[1:], strict=False)):
+        raise ValueError("efficiency.matmul_by_flops must be [most FLOPs, efficiency] pairs "
+                         "with rising bounds and efficiencies in (0, 10]")
+    return classes
 
 
 def parse_cluster(data: dict, where: str) -> Cluster:
@@ -213,12 +250,16 @@ def parse_cluster(data: dict, where: str) -> Cluster:
             usable_fraction=float(_require(dev, "usable_fraction", where, "device")),
             memory_bandwidth=float(_require(dev, "memory_bandwidth", where, "device")),
             efficiency=Efficiency(**_numbers(_section(dev, "efficiency", where, "device"),
-                                             Efficiency, where, "device.efficiency")),
+                                             Efficiency, where, "device.efficiency"),
+                                  matmul_by_flops=_flop_classes(dev["efficiency"], where)),
             overlap=Overlap(**_numbers(_section(dev, "overlap", where, "device"), Overlap,
                                        where, "device.overlap")),
         )
         values = _numbers(node, NodeSpec, where, "node")
-        node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"])})
+        node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"]),
+                                 "compute_slots": int(values["compute_slots"])})
+        if not 1 <= node_spec.compute_slots <= node_spec.devices_per_node:
+            raise ValueError("node.compute_slots must lie in 1..devices_per_node")
     except (TypeError, ValueError, AttributeError) as exc:
         raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like "
                         f"312e12") from None
@@ -232,6 +273,10 @@ def parse_cluster(data: dict, where: str) -> Cluster:
     for kind, fit in sorted((data.get("collectives") or {}).items()):
         if isinstance(fit, dict) and fit.get("alpha") is not None and fit.get("beta"):
             fits.append((str(kind), float(fit["alpha"]), float(fit["beta"])))
+            # fitted per group size (``autopar profile --from-run``): "all_reduce@4"
+            for ranks, sized in sorted((fit.get("by_ranks") or {}).items()):
+                fits.append((f"{kind}@{int(ranks)}", float(sized["alpha"]),
+                             float(sized["beta"])))
     return Cluster(device=device, node=node_spec, collective_fits=tuple(fits))
 
 

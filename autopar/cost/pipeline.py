@@ -21,6 +21,9 @@ bubble: the stage idles while it waits.
 
 from __future__ import annotations
 
+from autopar.cost.config import ParallelConfig
+from autopar.cost.hardware import Cluster
+
 
 def fill_drain_factor(schedule: str, virtual_stages: int, total_s: float,
                       weight_grad_s: float, num_microbatches: int = 1 << 30,
@@ -66,3 +69,33 @@ def pipeline_step_time(fwd_s: list[float], bwd_s: list[float], num_microbatches:
     # the fill and drain cross every model chunk's boundary once each way
     bubble = fill_drain + 2 * (p * chunks - 1) * p2p_s + steady
     return m * bottleneck + bubble, bubble
+
+
+def lone_stage_speedup(config: ParallelConfig, cluster: Cluster) -> float:
+    """How much faster a pipeline stage computes while the other stages idle, on a node whose
+    devices time-share fewer compute slots (CPU processes on fewer cores): 1 on accelerators.
+
+    ``peak_flops`` is the rate with every device of the node busy, ``slots / devices`` of a
+    slot each; a stage's ``dp x tp x ep`` devices alone get ``min(1, slots / g)`` each. Only
+    when the whole pipeline sits on one node do its stages share the slots."""
+    node = cluster.node
+    per_node, slots = node.devices_per_node, node.compute_slots
+    if config.pp <= 1 or slots >= per_node or config.devices > per_node:
+        return 1.0
+    group = config.dp * config.tp * config.ep
+    return min(1.0, slots / group) * per_node / slots
+
+
+def shared_pipeline_time(fwd_s: list[float], bwd_s: list[float], num_microbatches: int,
+                         speedup: float, **schedule) -> tuple[float, float]:
+    """(step seconds, bubble seconds) of the pipelined passes when stages share compute
+    slots (:func:`lone_stage_speedup` > 1): no faster than the schedule's critical path at a
+    lone stage's rate, nor than the node's total work spread over every slot (the mean
+    stage's busy time at the all-busy rate). The bubble is what exceeds the slowest stage's
+    compute at the lone rate."""
+    fast, _ = pipeline_step_time([f / speedup for f in fwd_s], [b / speedup for b in bwd_s],
+                                 num_microbatches, **schedule)
+    per_stage = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
+    work = num_microbatches * sum(per_stage) / len(per_stage)
+    step = max(fast, work)
+    return step, max(step - num_microbatches * max(per_stage) / speedup, 0.0)

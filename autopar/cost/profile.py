@@ -272,6 +272,7 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
         },
         "node": {
             "devices_per_node": torch.cuda.device_count() if gpu else nprocs,
+            "compute_slots": torch.cuda.device_count() if gpu else min(nprocs, cpus),
             "intra_bandwidth": intra_bw,
             "intra_efficiency": 1.0,
             "intra_latency": intra_lat,
@@ -298,6 +299,8 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "attention": f"sdpa {attn_dtype} rate / peak_flops.{attn_dtype}",
             "overlap": overlap_src,
             "memory_bytes": "cuda total_memory" if gpu else f"RAM / {nprocs} processes",
+            "compute_slots": "one GPU per device" if gpu else
+                             f"{cpus} cores for {nprocs} single-threaded processes",
             "usable_fraction": "default, not measured",
             "intra_bandwidth": comm_src + "; achieved, so intra_efficiency = 1.0",
             "intra_latency": comm_src, "collective_latency": comm_src,
@@ -371,18 +374,22 @@ _Dumper.add_representer(_FlowList, lambda d, v: d.represent_sequence(
     "tag:yaml.org,2002:seq", v, flow_style=True))
 
 
-def write_profile(data: dict, path: str | Path, command: str | None = None) -> Path:
-    """Write ``data`` as YAML with a header comment, atomically (temp file + os.replace)."""
+def write_profile(data: dict, path: str | Path, command: str | None = None,
+                  note: str | None = None) -> Path:
+    """Write ``data`` as YAML with a header comment, atomically (temp file + os.replace);
+    ``note`` replaces the header's last lines (what the numbers are)."""
     path = Path(path)
     if not path.parent.is_dir():
         raise AutoparError(f"cannot write {path}: folder {path.parent} does not exist")
     command = command or shlex.join(["autopar", *sys.argv[1:]])
+    note = note or ("Measured, not datasheet: peak = best measured, so efficiency.matmul/"
+                    "memory = 1.\nSingle-node profile: node.inter_* repeat the intra-node "
+                    "all_reduce fit.")
     header = (f"# Written by `autopar profile` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n"
               f"# host: {socket.gethostname()}  torch: {torch.__version__}  "
               f"python: {platform.python_version()}\n"
               f"# command: {command}\n"
-              f"# Measured, not datasheet: peak = best measured, so efficiency.matmul/memory = 1.\n"
-              f"# Single-node profile: node.inter_* repeat the intra-node all_reduce fit.\n")
+              + "".join(f"# {line}\n" for line in note.splitlines()))
     text = header + yaml.dump(_styled(data), Dumper=_Dumper, sort_keys=False,
                               default_flow_style=False, width=100)
     try:

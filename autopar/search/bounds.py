@@ -20,7 +20,7 @@ from autopar.cost.memory import (
     offload_transfer,
     optimizer_step_time,
 )
-from autopar.cost.pipeline import fill_drain_factor
+from autopar.cost.pipeline import fill_drain_factor, lone_stage_speedup
 from autopar.cost.precision import state_bytes
 from autopar.ir.graph import Graph
 from autopar.search.recompute import MODES
@@ -151,6 +151,10 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
     hidden = p2p_hidden_share(config, cluster)
     sends = 2 * (p * chunks - 1) * send + 2 * chunks * m * send * (
         (1 - hidden) + hidden * cluster.device.overlap.compute_slowdown)
+    speedup = lone_stage_speedup(config, cluster)
+    if speedup > 1:  # shared compute slots: the faster chain, or the node's work over them
+        return max((m * bottleneck + phi * (total - bottleneck)) / speedup + sends,
+                   m * total / p)
     return m * bottleneck + phi * (total - bottleneck) + sends
 
 
