@@ -60,8 +60,19 @@ def profile_text(data: dict, path: Path) -> str:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool) -> None:
+@click.option("--from-run", "runs", multiple=True, type=click.Path(file_okay=False),
+              help="Fit the profile to an artifact DIR trained with `autopar run --profile` "
+                   "instead of measuring (repeatable: several runs fit one profile).")
+@click.option("--base", default=None,
+              help="With --from-run: the cluster file to start from [default: the runs' "
+                   "plan cluster].")
+def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool,
+                runs: tuple[str, ...], base: str | None) -> None:
     """Measure matmul, memory and collective speed here; write a catalog YAML to --out.
+    With --from-run DIR, fit the cost model to what runs measured instead: matmul
+    efficiency by shape class, each collective's latency and bandwidth, the overlap of
+    data-parallel collectives with compute, and the per-op overhead that makes the model's
+    step times equal the runs' (docs/cost-model.md, "Recalibrating from runs").
 
     Uses CUDA (nccl, one GPU per process) when torch sees a GPU, else the CPU (gloo, the cores
     split among --nprocs processes). The file loads with `cluster=PATH` wherever a catalog
@@ -72,11 +83,18 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool) -> N
       autopar profile --quick
       autopar profile --nprocs 4 --out cost_models/my-box.yaml
       autopar profile --quick --format json --quiet
+      autopar profile --from-run run-a --from-run run-b --out fitted.yaml
     """
     from autopar.cost.profile import profile_machine, write_profile
 
     if not out.parent.is_dir():
         raise AutoparError(f"cannot write {out}: folder {out.parent} does not exist")
+    if runs:
+        _from_runs(list(runs), base, out, fmt, quiet)
+        return
+    if base is not None:
+        raise AutoparError("--base goes with --from-run: it names the cluster file the fit "
+                           "starts from")
     with progress(f"profiling this machine ({'quick' if quick else 'about a minute'})", quiet):
         data = profile_machine(nprocs=nprocs, quick=quick)
     argv = ["autopar", "profile", "--out", str(out), "--nprocs", str(nprocs)]
@@ -85,3 +103,46 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool) -> N
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(profile_text(data, path))
+
+
+def _from_runs(runs: list[str], base: str | None, out: Path, fmt: str, quiet: bool) -> None:
+    from autopar.cost.profile import write_profile
+    from autopar.runtime.recalibrate import recalibrate
+
+    with progress(f"fitting the cost model to {len(runs)} run(s)", quiet):
+        data = recalibrate(runs, base)
+    argv = ["autopar", "profile", "--out", str(out)] + [a for r in runs for a in
+                                                        ("--from-run", r)]
+    path = write_profile(data, out, command=shlex.join(argv + (["--base", base] if base
+                                                                else [])),
+                         note="Fitted to runs of this machine (see calibration:), starting from "
+                              f"{data['calibration']['base']}.")
+    if fmt == "json":
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(from_run_text(data, path))
+
+
+def from_run_text(data: dict, path: Path) -> str:
+    """What the fit changed, and each run's step measured and predicted before and after."""
+    from autopar.report.fmt import seconds
+
+    dev = data["device"]
+    lines = [f"{data['name']}: fitted to {len(data['calibration']['runs'])} run(s)",
+             f"  per-op overhead      {_seconds(dev['kernel_overhead_s'])}",
+             f"  overlap              {dev['overlap']['concurrent']:.2f} of data-parallel "
+             f"collective time beside compute"]
+    for upper, eff in dev["efficiency"].get("matmul_by_flops", []):
+        bound = "larger" if upper >= 1e29 else f"<= {upper:.0e} FLOP"
+        lines.append(f"  matmul {bound:<13} {eff:.2f} of peak")
+    for kind, fit in (data.get("collectives") or {}).items():
+        if "calls" in fit:
+            lines.append(f"  {kind:<20} {_seconds(fit['alpha'])} per step, "
+                         f"{_si(fit['beta'], 'B/s')} ({fit['calls']} calls)")
+    lines.append(f"  {'run':<28} {'measured':>9} {'before':>9} {'after':>9}")
+    for r in data["calibration"]["runs"]:
+        lines.append(f"  {Path(r['directory']).name:<28} {seconds(r['measured_step_s']):>9} "
+                     f"{seconds(r['predicted_before_s']):>9} "
+                     f"{seconds(r['predicted_after_s']):>9}")
+    lines.append(f"wrote {path}  (use it as cluster={path})")
+    return "\n".join(lines)

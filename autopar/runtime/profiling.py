@@ -56,6 +56,7 @@ class StepProfiler:
 
     def start(self, trainer) -> None:
         self._trainer = trainer
+        self.first_step = trainer.step_index  # the run's first step (a resumed run's later)
         self._profiler.start()
         if self.window[0] == 0:
             self._open_window()
@@ -98,6 +99,7 @@ class StepProfiler:
         if self.rank != 0:
             return None
         summary = stage_summary(everyone, self.window)
+        summary.update(first_step=self.first_step, device=self.device.type, mesh=self.mesh)
         (self.directory / SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -122,6 +124,7 @@ def stage_summary(ranks: list[dict], window: tuple[int, int]) -> dict:
         })
     step = max((s["step_s"] for s in out), default=0.0)
     return {"window": list(window), "step_s": step, "stages": out,
+            "first_step": 0, "device": "cpu", "mesh": None,
             "traces": [f"rank{r['rank']}.trace.json" for r in ranks]}
 
 

@@ -120,12 +120,12 @@ def _matmul_dims(event: dict) -> tuple[int, int, int] | None:
     return batch * int(a[-2]), int(b[-1]), int(a[-1])
 
 
-def _paint(window: tuple[float, float], spans: list[tuple[float, float, str, int]]
-           ) -> dict[str, float]:
+def _paint(window: tuple[float, float], spans: list[tuple[float, float, str, int]],
+           computing: list[tuple[float, float]] | None = None) -> dict[str, float]:
     """Seconds per label inside ``window``. Each instant goes to the highest-priority span
     over it; unpainted time between two equal labels takes that label; what is left goes to
     a background span over it (priority < 0: a collective in flight while the main thread
-    waits), else is idle."""
+    waits), else is idle. The pieces that go to compute are added to ``computing``."""
     lo, hi = window
     # a sweep over the span boundaries, counting the open spans of each label
     marks = []
@@ -164,6 +164,8 @@ def _paint(window: tuple[float, float], spans: list[tuple[float, float, str, int
             else:
                 label = background or "idle"
         totals[label] += (b - a) * 1e-6
+        if computing is not None and label in _PRIORITY:
+            computing.append((a, b))
     return dict(totals)
 
 
@@ -171,8 +173,9 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
     """The summary of one rank's trace (see the module docstring): ``steps`` (each step's
     seconds by term), ``step_s`` and ``terms_s`` (their medians), ``matmuls``
     ([m, n, k, dtype_bytes, seconds] per call), ``collectives`` ([kind, axis, bytes of its
-    first tensor, seconds] per call, on the backend's thread), ``ops_per_step``. A step's
-    communication terms are named ``comm:KIND:AXIS``."""
+    first tensor, seconds, seconds of it while the main thread computed] per call, on the
+    backend's threads), ``ops_per_step``. A step's communication terms are named
+    ``comm:KIND:AXIS``."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e["name"] == STEP), key=lambda e: e["ts"])
     if not steps:
@@ -181,6 +184,7 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
     main = steps[0]["tid"]
     mine = sorted((e for e in events if e["tid"] == main), key=lambda e: e["ts"])
     per_step: list[dict[str, float]] = []
+    painted: list[tuple[float, float]] = []  # when the main thread computed
     ops = []
     last_functional = "other_comm:control"
     for step in steps:
@@ -205,7 +209,7 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
             label = _label(e["name"])
             if label is not None:
                 spans.append((e["ts"], e["ts"] + e["dur"], label, _PRIORITY[label]))
-        per_step.append(_paint((lo, hi), spans))
+        per_step.append(_paint((lo, hi), spans, painted))
         ops.append(sum(1 for e in inside if e["name"].startswith("aten::")))
     matmuls = []
     for e in events:
@@ -214,13 +218,19 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
             if dims is not None:
                 types = e.get("args", {}).get("Input type") or ["float"]
                 matmuls.append([*dims, _DTYPE_BYTES.get(types[-1], 4), e["dur"] * 1e-6])
+    # the backend's own threads run the collectives on the wire (on the main thread, gloo's
+    # send/recv ranges include the wait for the peer: not a transfer time)
+    computing = _union(painted)
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     collectives = []
     for e in events:
-        if e["name"].startswith(_BACKEND):
+        if e["name"].startswith(_BACKEND) and e["tid"] != main and \
+                any(lo <= e["ts"] < hi for lo, hi in windows):
             kind = collective_kind(e["name"])
             if kind not in (None, "wait", "other_comm", "barrier"):
+                beside = _overlap(computing, e["ts"], e["ts"] + e["dur"])
                 collectives.append([kind, collective_axis(kind, e, mesh), _nbytes(e),
-                                    e["dur"] * 1e-6])
+                                    e["dur"] * 1e-6, beside * 1e-6])
     terms = sorted({k for s in per_step for k in s})
     return {
         "steps": per_step,
@@ -231,6 +241,29 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
         "ops_per_step": statistics.median(ops),
         "profiled_steps": len(steps),
     }
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(union: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of [lo, hi) covered by the sorted disjoint ``union``."""
+    import bisect
+
+    i = max(bisect.bisect_right(union, (lo, float("inf"))) - 1, 0)
+    total = 0.0
+    while i < len(union) and union[i][0] < hi:
+        a, b = union[i]
+        total += max(0.0, min(b, hi) - max(a, lo))
+        i += 1
+    return total
 
 
 def read_trace(path: str | Path) -> dict:
