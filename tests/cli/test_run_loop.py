@@ -76,15 +76,17 @@ def test_profile_traces_are_chrome_trace_json_with_the_steps(trained_pp2) -> Non
                        key=lambda e: e["ts"])
         assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(steps, steps[1:],
                                                                    strict=False))
+        # each profiled step's terms are a partition of that step: they add up to it
+        mine = json.loads((folder / f"rank{rank}.summary.json").read_text())
+        assert [sum(t.values()) for t in mine["steps"]] == \
+            pytest.approx([e["dur"] * 1e-6 for e in steps], rel=1e-6)
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["window"] == [1, STEPS]
     assert [s["stage"] for s in summary["stages"]] == [0, 1]
     for stage in summary["stages"]:
-        terms = stage["terms_s"]
-        # the terms are a partition of the step: they add up to it
-        assert sum(terms.values()) == pytest.approx(stage["step_s"], rel=0.05)
+        terms = stage["terms_s"]  # each term's median over the steps (not a partition)
         assert terms["forward"] > 0 and terms["backward"] > 0 and terms["optimizer"] > 0
-        assert terms.get("comm:send_recv", 0) > 0 and stage["peak_memory_bytes"] > 0
+        assert terms.get("comm:send_recv:pp", 0) > 0 and stage["peak_memory_bytes"] > 0
     assert "profiled steps 1..3" in ran.stdout
 
 
