@@ -8,6 +8,7 @@ import torch
 from autopar.models import GPT, GPTConfig
 
 TINY_HF = ["tiny-llama", "tiny-mistral", "tiny-mixtral", "tiny-qwen2", "tiny-gpt2"]
+TRAINED_STEPS = 4  # of the trained_pp2 artifact
 
 
 @pytest.fixture
@@ -44,3 +45,25 @@ def hf_folder(tmp_path_factory):
         return saved[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_pp2(tmp_path_factory):
+    """A pp2 artifact of tiny Llama on the CPU catalog, trained under torchrun on 2 gloo
+    processes for TRAINED_STEPS steps with a cosine schedule, evaluated every 2 steps and
+    profiled (steps 1..3), its output captured as a log file would be (not a terminal):
+    (artifact dir, the torchrun CompletedProcess). Trained once per session, read by the
+    training-loop tests and the report's; do not write into it."""
+    from tests.cli.test_inspect import run_cli
+    from tests.cli.test_run import _torchrun
+
+    art = tmp_path_factory.mktemp("loop") / "art"
+    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+                   "4", "--cluster", "cpu", "--constraints", "pp=2,dp=1,microbatch_size=1",
+                   "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    ran = _torchrun(2, "run", str(art), "--steps", str(TRAINED_STEPS), "--device", "cpu",
+                    "--lr", "2e-3", "--warmup-steps", "1", "--lr-schedule", "cosine",
+                    "--min-lr", "2e-4", "--eval", "synthetic", "--eval-every", "2", "--profile")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return art, ran

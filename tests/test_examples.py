@@ -114,3 +114,29 @@ def test_serve_at_scale_example() -> None:
     assert "fastest decoding" in out and "ms a token" in out and "KV cache" in out
     assert "no serving plan fits" in out and "at most" in out
     assert "Decoding step, along the bottleneck stage" in out
+
+
+@pytest.mark.dist
+def test_train_eval_profile_cpu_example(tmp_path) -> None:
+    """Warm-up then cosine, held-out loss, a profile, and the report with the run beside it."""
+    import json
+    import math
+
+    art = tmp_path / "art"
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_eval_profile_cpu.py"),
+                             str(art)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    rates = [json.loads(line)["lr"]
+             for line in (art / "logs" / "train.jsonl").read_text().splitlines()]
+    peak, floor = 3e-3, 3e-4  # 2 warm-up steps, then cosine over the 6 steps left
+    assert rates == pytest.approx([peak / 2, peak] + [
+        floor + (peak - floor) * (1 + math.cos(math.pi * (s - 2) / 6)) / 2 for s in range(2, 8)])
+    assert [ln.split()[3] for ln in out.splitlines() if ln.startswith("eval after")] == \
+        ["4:", "8:"]
+    assert "traces (open in ui.perfetto.dev): rank0.trace.json, rank1.trace.json" in out
+    assert "The run\n  steps       8: loss " in out
+    table = out[out.index("Measured against predicted, per stage (profiled steps 5..7)"):]
+    rows = [ln.split()[:2] for ln in table.splitlines()[2:16]]  # 7 terms for each stage
+    assert [r for r in rows if r[1] in ("step", "memory")] == \
+        [["0", "step"], ["0", "memory"], ["1", "step"], ["1", "memory"]]

@@ -9,7 +9,7 @@ import yaml
 
 from autopar.cli import main
 
-from .test_inspect import cli_here, run_cli
+from .test_inspect import _assert_one_line_error, cli_here, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +118,23 @@ def test_error_paths_are_one_line_exit_2_and_write_nothing(plans, tmp_path, caps
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.yaml", "empty", "legacy.yaml"]
     assert list(empty.iterdir()) == []
+
+
+def test_report_run_refuses_a_plan_file_and_an_artifact_never_run(plans, tmp_path) -> None:
+    """--run reads DIR/logs: a plan file has none, an artifact that was never run has none, a
+    damaged log is named; one line, exit 2, nothing written."""
+    import shutil
+
+    a, _ = plans
+    out = tmp_path / "run.html"
+    _assert_one_line_error(run_cli("report", str(a / "plan.yaml"), "--run", "--out", str(out)),
+                           "--run reads a run's logs from its artifact directory", "plan.yaml")
+    _assert_one_line_error(cli_here("report", str(a), "--run"), "has no run to compare",
+                           "autopar run", "--profile")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(a, damaged)
+    (damaged / "logs").mkdir()
+    (damaged / "logs" / "train.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "lo\n')
+    _assert_one_line_error(cli_here("report", str(damaged), "--run", "--out", str(out)),
+                           "train.jsonl:2 is not a JSON line")
+    assert not out.exists()

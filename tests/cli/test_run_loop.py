@@ -9,32 +9,14 @@ import re
 
 import pytest
 
+from ..conftest import TRAINED_STEPS as STEPS
 from .test_inspect import _assert_one_line_error, cli_here, run_cli
-from .test_run import _torchrun
 
 pytestmark = pytest.mark.dist
-STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A pp2 artifact of tiny Llama on the CPU catalog, trained 4 steps with a cosine
-    schedule, evaluated every 2 steps and profiled (steps 1..3), its output captured as a
-    log file would be (not a terminal)."""
-    art = tmp_path_factory.mktemp("loop") / "art"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--cluster", "cpu", "--constraints", "pp=2,dp=1,microbatch_size=1",
-                   "--out", str(art), "-q")
-    assert made.returncode == 0, made.stderr
-    ran = _torchrun(2, "run", str(art), "--steps", str(STEPS), "--device", "cpu", "--lr",
-                    "2e-3", "--warmup-steps", "1", "--lr-schedule", "cosine", "--min-lr",
-                    "2e-4", "--eval", "synthetic", "--eval-every", "2", "--profile")
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    return art, ran
-
-
-def test_console_line_per_step_in_a_plain_log(trained) -> None:
-    _, ran = trained
+def test_console_line_per_step_in_a_plain_log(trained_pp2) -> None:
+    _, ran = trained_pp2
     lines = [ln for ln in ran.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == STEPS
     for i, line in enumerate(lines, 1):
@@ -45,8 +27,8 @@ def test_console_line_per_step_in_a_plain_log(trained) -> None:
     assert [ln.split()[3].rstrip(":") for ln in evals] == ["2", "4"]
 
 
-def test_learning_rates_follow_the_schedule_and_evaluation_is_logged(trained) -> None:
-    art, _ = trained
+def test_learning_rates_follow_the_schedule_and_evaluation_is_logged(trained_pp2) -> None:
+    art, _ = trained_pp2
     records = [json.loads(x) for x in (art / "logs" / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
     peak, floor = 2e-3, 2e-4
@@ -60,11 +42,11 @@ def test_learning_rates_follow_the_schedule_and_evaluation_is_logged(trained) ->
                for e in evals)
 
 
-def test_tensorboard_events_hold_the_run(trained) -> None:
+def test_tensorboard_events_hold_the_run(trained_pp2) -> None:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed here")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    art, _ = trained
+    art, _ = trained_pp2
     events = EventAccumulator(str(art / "logs" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -75,8 +57,8 @@ def test_tensorboard_events_hold_the_run(trained) -> None:
         pytest.approx([r["loss"] for r in records], rel=1e-6)
 
 
-def test_profile_traces_are_chrome_trace_json_with_the_steps(trained) -> None:
-    art, ran = trained
+def test_profile_traces_are_chrome_trace_json_with_the_steps(trained_pp2) -> None:
+    art, ran = trained_pp2
     folder = art / "logs" / "profile"
     for rank in (0, 1):
         trace = json.loads((folder / f"rank{rank}.trace.json").read_text())
@@ -94,15 +76,17 @@ def test_profile_traces_are_chrome_trace_json_with_the_steps(trained) -> None:
                        key=lambda e: e["ts"])
         assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(steps, steps[1:],
                                                                    strict=False))
+        # each profiled step's terms are a partition of that step: they add up to it
+        mine = json.loads((folder / f"rank{rank}.summary.json").read_text())
+        assert [sum(t.values()) for t in mine["steps"]] == \
+            pytest.approx([e["dur"] * 1e-6 for e in steps], rel=1e-6)
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["window"] == [1, STEPS]
     assert [s["stage"] for s in summary["stages"]] == [0, 1]
     for stage in summary["stages"]:
-        terms = stage["terms_s"]
-        # the terms are a partition of the step: they add up to it
-        assert sum(terms.values()) == pytest.approx(stage["step_s"], rel=0.05)
+        terms = stage["terms_s"]  # each term's median over the steps (not a partition)
         assert terms["forward"] > 0 and terms["backward"] > 0 and terms["optimizer"] > 0
-        assert terms.get("comm:send_recv", 0) > 0 and stage["peak_memory_bytes"] > 0
+        assert terms.get("comm:send_recv:pp", 0) > 0 and stage["peak_memory_bytes"] > 0
     assert "profiled steps 1..3" in ran.stdout
 
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-
-import pytest
 
 from autopar.report import fmt
+
+from .browser import assert_drawn, needs_chromium, pixels_near, screenshot
 
 
 def test_html_is_self_contained_with_three_figures(llama_tp8_plan) -> None:
@@ -24,34 +22,10 @@ def test_html_is_self_contained_with_three_figures(llama_tp8_plan) -> None:
     assert html.count("<tr>") > 20
 
 
-def _browser() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.mark.skipif(_browser() is None, reason="no Chromium on this machine "
-                    "(Debian: apt-get install chromium); the screenshot test needs a browser")
+@needs_chromium
 def test_html_renders_in_headless_chromium(llama_tp8_plan, tmp_path) -> None:
-    from matplotlib.image import imread
-
-    page = tmp_path / "report.html"
-    page.write_text(llama_tp8_plan.report("html"))
-    shot = tmp_path / "shot.png"
-    width, height = 1280, 2400
-    result = subprocess.run(
-        [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
-         f"--window-size={width},{height}", f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and shot.is_file(), result.stderr[-2000:]
-    pixels = imread(shot)
-    assert pixels.shape[:2] == (height, width)
-    rgb = (pixels[..., :3] * 255).astype("uint8").reshape(-1, 3)
-    colours = {tuple(p) for p in rgb[:: 97]}
-    assert len(colours) > 200, "the page should show text and figures, not one colour"
-    inked = (rgb.min(axis=1) < 200).mean()
-    assert 0.03 < inked < 0.6, f"{inked:.1%} of the page is drawn on"
+    rgb = screenshot(llama_tp8_plan.report("html"), tmp_path, "report")
+    assert_drawn(rgb)
     # the figures' colours (forward blue, backward orange) made it to the screen
-    for r, g, b in ((0x4C, 0x72, 0xB0), (0xDD, 0x84, 0x52)):
-        close = (abs(rgb[:, 0].astype(int) - r) < 8) & (abs(rgb[:, 1].astype(int) - g) < 8) \
-            & (abs(rgb[:, 2].astype(int) - b) < 8)
-        assert close.sum() > 2000
+    for colour in ("#4C72B0", "#DD8452"):
+        assert pixels_near(rgb, colour) > 2000, colour
