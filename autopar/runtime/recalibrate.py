@@ -75,7 +75,7 @@ def read_run(directory: str | Path) -> Run:
     ranks = [r for r in ranks if "terms_s" in r]
     if not ranks:
         raise PlanError(f"{profile} holds no rank summary; run with --profile again")
-    return Run(d, plan, _graph(manifest, plan), _unprofiled_step(d, summary), ranks)
+    return Run(d, plan, plan_graph(manifest, plan), _unprofiled_step(d, summary), ranks)
 
 
 def _unprofiled_step(d: Path, summary: dict) -> float:
@@ -94,7 +94,7 @@ def _unprofiled_step(d: Path, summary: dict) -> float:
     return statistics.median(plain)
 
 
-def _graph(manifest: dict, plan: Plan) -> Graph:
+def plan_graph(manifest: dict, plan: Plan) -> Graph:
     """The plan's model captured as the plan captured it (names match its layout)."""
     from autopar.capture import capture
     from autopar.models import token_inputs
@@ -211,7 +211,7 @@ def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
     overhead = fit.fit_scalar(predicted, measured, *OVERHEAD_RANGE_S)
     after = predicted(overhead)
     sources["kernel_overhead_s"] = f"{said}: the per-op overhead that makes the model's " \
-                                   f"step times equal the measured ones"
+                                   f"step times of the runs equal the measured ones"
     out["name"] = f"{mapping.get('name', 'profile')}-from-run"
     out["calibration"] = {
         "from_runs": [str(r.directory) for r in runs],

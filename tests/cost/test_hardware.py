@@ -164,7 +164,7 @@ _REQUIRED = [("device", k) for k in (
     "type", "backend", "peak_flops", "tensor_core_dtypes", "compute_units", "matmul_tile",
     "kernel_overhead_s", "memory_bytes", "usable_fraction", "memory_bandwidth", "efficiency",
     "overlap")] + [("node", k) for k in (
-        "devices_per_node", "intra_bandwidth", "intra_efficiency", "intra_latency",
+        "devices_per_node", "compute_slots", "intra_bandwidth", "intra_efficiency", "intra_latency",
         "inter_bandwidth", "inter_efficiency", "inter_latency", "collective_latency",
         "host_bandwidth", "host_memory_bytes")]
 
