@@ -139,21 +139,46 @@ def _ranks_of(plan: Plan, axis: str) -> int:
 
 
 def _collective_samples(runs: list[Run]) -> tuple[list, list]:
-    """(``(kind, ranks, bytes, seconds)`` per collective call as the cost model sizes it,
-    ``(seconds, seconds beside compute)`` of the data-parallel ones)."""
+    """(``(kind, ranks, bytes, seconds)`` per collective as the cost model sizes it,
+    ``(seconds, seconds beside compute)`` of the data-parallel ones).
+
+    A collective's time on a rank includes waiting for the others to arrive; the rank that
+    arrived last waited least, so each collective counts at the shortest of its ranks' times
+    (the n-th call of one kind, axis and size on every rank is the same collective)."""
     calls, overlapped = [], []
     for run in runs:
+        same: dict[tuple, list[list]] = {}
         for rank in run.ranks:
+            seen: dict[tuple, int] = {}
             for kind, axis, first_bytes, seconds, beside in rank["collectives"]:
                 if axis == "control":
                     continue
-                n = _ranks_of(run.plan, axis)
-                # an all-gather's first tensor is this rank's input; the model sizes the whole
-                nbytes = first_bytes * n if kind == "all_gather" else first_bytes
-                calls.append((kind, n, nbytes, seconds))
-                if axis == "dp":
-                    overlapped.append((seconds, beside))
+                key = (kind, axis, first_bytes)
+                index = seen[key] = seen.get(key, -1) + 1
+                same.setdefault((*key, index), []).append((seconds, beside))
+        for (kind, axis, first_bytes, _), times in same.items():
+            n = _ranks_of(run.plan, axis)
+            # an all-gather's first tensor is this rank's input; the model sizes the whole
+            nbytes = first_bytes * n if kind == "all_gather" else first_bytes
+            calls.append((kind, n, nbytes, min(t for t, _ in times)))
+            if axis == "dp":
+                overlapped += times
     return calls, overlapped
+
+
+def _swept_points(mapping: dict) -> list[tuple[str, int, float, float]]:
+    """The base profile's own collective sweep (``autopar profile``: sizes from kilobytes up,
+    on all its processes) as calls: a run's collectives come in few sizes (gradient buckets,
+    activations), the sweep pins the latency of the small ones."""
+    ranks = int((mapping.get("profile") or {}).get("nprocs", 0))
+    if ranks < 2:
+        return []
+    out = []
+    for kind, entry in (mapping.get("collectives") or {}).items():
+        for point in (entry or {}).get("points") or []:
+            nbytes, seconds = float(point[0]), float(point[1])
+            out.append((str(kind), ranks, nbytes, seconds))
+    return out
 
 
 def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
@@ -175,7 +200,7 @@ def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
         dev["efficiency"]["matmul_by_flops"] = classes
         sources["matmul_by_flops"] = f"{said}: median achieved / peak per decade of FLOPs"
     calls, overlapped = _collective_samples(runs)
-    fits = fit.ring_fit(calls)
+    fits = fit.ring_fit(calls + _swept_points(mapping))
     if before.device.backend == "gloo":
         # gloo runs a reduce-scatter as an all-reduce of the whole input: the same wire time
         for key in [k for k in fits if k.split("@")[0] == "all_reduce"]:

@@ -223,7 +223,7 @@ def summarize_trace(trace: dict, mesh: dict | None = None) -> dict:
     computing = _union(painted)
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     collectives = []
-    for e in events:
+    for e in sorted(events, key=lambda e: e["ts"]):  # in issue order: ranks' calls pair up
         if e["name"].startswith(_BACKEND) and e["tid"] != main and \
                 any(lo <= e["ts"] < hi for lo, hi in windows):
             kind = collective_kind(e["name"])
