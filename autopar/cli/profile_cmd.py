@@ -136,9 +136,9 @@ def from_run_text(data: dict, path: Path) -> str:
         bound = "larger" if upper >= 1e29 else f"<= {upper:.0e} FLOP"
         lines.append(f"  matmul {bound:<13} {eff:.2f} of peak")
     for kind, fit in (data.get("collectives") or {}).items():
-        if "calls" in fit:
-            lines.append(f"  {kind:<20} {_seconds(fit['alpha'])} per step, "
-                         f"{_si(fit['beta'], 'B/s')} ({fit['calls']} calls)")
+        for ranks, sized in sorted((fit.get("by_ranks") or {}).items()):
+            lines.append(f"  {kind + ' on ' + str(ranks):<20} {_seconds(sized['alpha'])} per "
+                         f"step, {_si(sized['beta'], 'B/s')} ({sized['samples']} samples)")
     lines.append(f"  {'run':<28} {'measured':>9} {'before':>9} {'after':>9}")
     for r in data["calibration"]["runs"]:
         lines.append(f"  {Path(r['directory']).name:<28} {seconds(r['measured_step_s']):>9} "

@@ -200,7 +200,10 @@ def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
         dev["efficiency"]["matmul_by_flops"] = classes
         sources["matmul_by_flops"] = f"{said}: median achieved / peak per decade of FLOPs"
     calls, overlapped = _collective_samples(runs)
-    fits = fit.ring_fit(calls + _swept_points(mapping))
+    # the kinds (and group sizes) the runs measured, each fitted with the base's sweep beside
+    measured_kinds = {k for kind, n, _, _ in calls for k in (kind, f"{kind}@{n}")}
+    fits = {k: v for k, v in fit.ring_fit(calls + _swept_points(mapping)).items()
+            if k in measured_kinds}
     if before.device.backend == "gloo":
         # gloo runs a reduce-scatter as an all-reduce of the whole input: the same wire time
         for key in [k for k in fits if k.split("@")[0] == "all_reduce"]:
@@ -212,7 +215,7 @@ def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
     out["collectives"] = collectives
     for key, (alpha, beta, count) in sorted(fits.items(), key=lambda kv: "@" in kv[0]):
         kind, _, ranks = key.partition("@")
-        entry = {"alpha": alpha, "beta": beta, "calls": count}
+        entry = {"alpha": alpha, "beta": beta, "samples": count}
         if ranks:  # the kind's own fit came first (sorted), replacing the base file's
             collectives[kind].setdefault("by_ranks", {})[int(ranks)] = entry
         else:
@@ -246,6 +249,6 @@ def recalibrate(directories: list[str | Path], base: str | None = None) -> dict:
                   "measured_step_s": m, "predicted_before_s": b, "predicted_after_s": a}
                  for r, m, b, a in zip(runs, measured, base_steps, after, strict=True)],
         "samples": {"matmul_calls": sum(len(k["matmuls"]) for r in runs for k in r.ranks),
-                    "collective_calls": len(calls)},
+                    "collective_calls": len(calls)},  # with the base's sweep: "samples"
     }
     return out
