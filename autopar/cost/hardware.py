@@ -280,14 +280,20 @@ def parse_cluster(data: dict, where: str) -> Cluster:
     return Cluster(device=device, node=node_spec, collective_fits=tuple(fits))
 
 
+def cluster_file(spec: str | Path) -> Path | None:
+    """The YAML file of a catalog name (``"a100-80g"``) or a profile path; None if neither."""
+    path = Path(spec)
+    if not path.is_file():
+        path = data_dir("cost_models") / f"{spec}.yaml"
+    return path if path.is_file() else None
+
+
 def load_cluster(spec: str | Path | Cluster) -> Cluster:
     """A Cluster from a catalog name (``"a100-80g"``), a YAML path, or a Cluster (returned as is)."""
     if isinstance(spec, Cluster):
         return spec
-    path = Path(spec)
-    if not path.is_file():
-        path = data_dir("cost_models") / f"{spec}.yaml"
-    if not path.is_file():
+    path = cluster_file(spec)
+    if path is None:
         raise PlanError(f"unknown cluster '{spec}': use one of {', '.join(catalog_names())} "
                         f"or a profile YAML written by `autopar profile`")
     try:

@@ -30,11 +30,10 @@ from pathlib import Path
 
 import yaml
 
-from autopar._paths import data_dir
 from autopar.codegen import load_artifact
 from autopar.cost import fit
 from autopar.cost.estimate import estimate
-from autopar.cost.hardware import parse_cluster
+from autopar.cost.hardware import cluster_file, parse_cluster
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph
 from autopar.plan import Plan
@@ -110,10 +109,8 @@ def plan_graph(manifest: dict, plan: Plan) -> Graph:
 
 def base_mapping(cluster: str) -> dict:
     """The cluster file the runs were planned with, as a mapping (catalog name or path)."""
-    path = Path(cluster)
-    if not path.is_file():
-        path = data_dir("cost_models") / f"{cluster}.yaml"
-    if not path.is_file():
+    path = cluster_file(cluster)
+    if path is None:
         raise PlanError(f"the runs were planned for cluster '{cluster}', which is not here; "
                         f"pass its file with --base PROFILE.yaml")
     return yaml.safe_load(path.read_text())
