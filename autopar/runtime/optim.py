@@ -43,8 +43,8 @@ class Hyperparameters:
         if self.decay not in DECAYS:
             raise PlanError(f"unknown learning-rate decay '{self.decay}'; use one of "
                             f"{', '.join(DECAYS)}")
-        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise PlanError(f"the learning rate must be positive and min_lr within [0, lr]; "
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise PlanError(f"the learning rate must be 0 or more and min_lr within [0, lr]; "
                             f"got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup_steps < 0 or (self.decay_steps is not None and self.decay_steps < 1):
             raise PlanError("warm-up steps must be 0 or more and decay steps 1 or more")
@@ -109,6 +109,7 @@ def set_lr(optimizer, hp: Hyperparameters, lr: float) -> None:
     ``hp``), relative to the rate the group was built with: a program that builds a group
     at another rate (a hand edit of train.py) keeps its ratio, as under torch's LambdaLR. A
     ZeroRedundancyOptimizer copies its wrapper's groups to its partition at each step."""
+    factor = lr / hp.lr if hp.lr else 0.0  # --lr 0: steps that change nothing
     for group in optimizer.param_groups:
         base = group.setdefault("initial_lr", group["lr"])
-        group["lr"] = base * lr / hp.lr
+        group["lr"] = base * factor

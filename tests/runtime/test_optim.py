@@ -96,7 +96,7 @@ def test_weight_decay_skips_biases_and_norms(gpt) -> None:
 
 @pytest.mark.parametrize("bad, match", [
     (dict(decay="step"), "unknown learning-rate decay"),
-    (dict(lr=0.0), "must be positive"),
+    (dict(lr=-1e-3), "0 or more"),
     (dict(min_lr=1.0, lr=0.1), "min_lr within"),
     (dict(warmup_steps=10, decay_steps=5), "warm-up steps exceed"),
     (dict(betas=(1.0, 0.9)), "betas"),
