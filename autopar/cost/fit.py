@@ -20,6 +20,10 @@ from autopar.cost.comm import Link, ring_time
 
 DTYPES_BY_BYTES = {4: "fp32", 2: "bf16", 8: "fp32", 1: "fp8"}
 MIN_SAMPLES = 3  # fewer calls than this do not make a class or a fit
+# A latency and a bandwidth are two unknowns: calls of one message size (one gradient bucket,
+# profiled on every step) pin only their sum at that size. A fit needs sizes at least this far
+# apart, so that the fixed and the per-byte parts of the time can be told apart.
+MIN_SIZE_SPREAD = 4.0
 
 
 def matmul_classes(samples: Sequence[Sequence[float]], peak_flops: dict[str, float]
@@ -50,7 +54,8 @@ def ring_fit(samples: Sequence[tuple[str, int, float, float]]) -> dict[str, tupl
     """Per collective kind, (alpha s per ring step, beta bytes/s, calls) of ``ring_time``
     fitted to calls ``(kind, ranks, bytes, seconds)`` by least squares on the relative error
     (each call weighs alike, small or large), alpha and 1/beta kept non-negative; beside each
-    kind's fit, ``"KIND@N"`` fits the calls of groups of N ranks alone."""
+    kind's fit, ``"KIND@N"`` fits the calls of groups of N ranks alone. Calls all of about one
+    size make no fit (see MIN_SIZE_SPREAD)."""
     by_kind: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     for kind, ranks, nbytes, seconds in samples:
         if ranks > 1 and nbytes > 0 and seconds > 0:
@@ -58,7 +63,8 @@ def ring_fit(samples: Sequence[tuple[str, int, float, float]]) -> dict[str, tupl
             by_kind[f"{kind}@{ranks}"].append((ranks, nbytes, seconds))
     fits = {}
     for kind, calls in by_kind.items():
-        if len(calls) < MIN_SAMPLES:
+        sizes = [b for _, b, _ in calls]
+        if len(calls) < MIN_SAMPLES or max(sizes) < MIN_SIZE_SPREAD * min(sizes):
             continue
         # ring_time is linear in (alpha, 1/beta): its value at (1, inf) and at (0, 1)
         base = kind.split("@")[0]

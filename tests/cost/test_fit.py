@@ -44,6 +44,14 @@ def test_ring_fit_keeps_alpha_and_bandwidth_non_negative() -> None:
     assert alpha >= 0 and beta > 0
 
 
+def test_calls_of_one_size_make_no_collective_fit() -> None:
+    # one gradient bucket per step: any alpha/beta mix explains it, so none is claimed
+    one_size = [("all_reduce", 2, 4e6, 5e-3 * (1 + 0.01 * i)) for i in range(6)]
+    assert fit.ring_fit(one_size) == {}
+    # a second size far enough away makes the fit
+    assert "all_reduce@2" in fit.ring_fit(one_size + [("all_reduce", 2, 4e4, 1e-4)] * 3)
+
+
 def test_matmul_classes_are_flops_over_time_per_decade() -> None:
     peak = {"fp32": 1e11, "bf16": 2e11}
     calls = [[64, 64, 64, 4, 2 * 64 ** 3 / (0.2e11)]] * 4  # 5e5 FLOPs at 20% of fp32 peak
