@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny models every test package uses."""
+"""Shared fixtures: tiny models every test package uses; how the suite shares the machine."""
 
 from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +14,33 @@ from autopar.models import GPT, GPTConfig
 
 TINY_HF = ["tiny-llama", "tiny-mistral", "tiny-mixtral", "tiny-qwen2", "tiny-gpt2"]
 TRAINED_STEPS = 4  # of the trained_pp2 artifact
+
+
+# The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadfile``):
+# most tests are single-threaded Python (capture, search), so on 2 cores one worker leaves a
+# core idle. A file's tests share a worker, so module fixtures (trained artifacts) run once.
+def pytest_xdist_auto_num_workers(config) -> int:
+    """One worker per core (xdist's own count is physical cores), at most 4: the gloo tests
+    run 2-4 processes each."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests marked ``exclusive`` time the machine itself (``autopar profile``'s sweeps): they
+    run, fixtures included, while no other worker runs a test. Every other test holds the
+    lock shared; without xdist there is nothing to share."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        return (yield)
+    path = Path(tempfile.gettempdir()) / f"autopar-tests-{uid}.lock"
+    with open(path, "a") as handle:
+        exclusive = item.get_closest_marker("exclusive") is not None
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture
@@ -54,11 +86,11 @@ def trained_pp2(tmp_path_factory):
     profiled (steps 1..3), its output captured as a log file would be (not a terminal):
     (artifact dir, the torchrun CompletedProcess). Trained once per session, read by the
     training-loop tests and the report's; do not write into it."""
-    from tests.cli.test_inspect import run_cli
+    from tests.cli.test_inspect import cli_here
     from tests.cli.test_run import _torchrun
 
     art = tmp_path_factory.mktemp("loop") / "art"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--cluster", "cpu", "--constraints", "pp=2,dp=1,microbatch_size=1",
                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr

@@ -14,8 +14,9 @@ from autopar.models import GPT, GPTConfig, build_model, list_models, token_input
 from ..conftest import TINY_HF
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", [n for n in list_models() if n.startswith("tiny-")])
 def test_param_count_equals_model(name: str) -> None:
+    """(Full-size configs: tests/models/test_shipped_configs.py, from its own capture.)"""
     model = build_model(name, device="meta")
     graph = autopar.capture(model, token_inputs(1, 16))
     assert graph.num_params == sum(p.numel() for p in model.parameters())

@@ -11,14 +11,14 @@ import time
 import psutil
 import pytest
 
-from .test_inspect import run_cli
+from .test_inspect import cli_here
 
 pytestmark = pytest.mark.dist
 
 
 def test_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_path) -> None:
     art = tmp_path / "art"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     job = subprocess.Popen(

@@ -13,7 +13,7 @@ import yaml
 import autopar
 from autopar.cost.hardware import load_cluster
 
-from .test_inspect import _assert_one_line_error, cli_here, run_cli
+from .test_inspect import _assert_one_line_error, cli_here
 from .test_run import _torchrun
 
 pytestmark = pytest.mark.dist
@@ -24,7 +24,7 @@ def profiled_dp2(tmp_path_factory):
     """tiny Llama, dp2 on the CPU catalog, 7 steps, the profiler on steps 2..4 (step 1 its
     warm-up): steps 5 and 6 run unprofiled."""
     art = tmp_path_factory.mktemp("fromrun") / "dp2"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--cluster", "cpu", "--constraints", "dp=2,pp=1,zero_stage=0",
                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr

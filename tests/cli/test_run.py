@@ -24,7 +24,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 def test_compile_then_run_under_torchrun(tmp_path) -> None:
     art = tmp_path / "art"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     assert {p.name for p in art.iterdir()} == {"plan.yaml", "manifest.json", "train.py"}
@@ -39,15 +39,15 @@ def test_compile_then_run_under_torchrun(tmp_path) -> None:
 
 def test_run_refuses_a_world_size_that_is_not_the_plans(tmp_path) -> None:
     art = tmp_path / "art"
-    assert run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--constraints",
+    assert cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--constraints",
                    "dp=2,pp=1", "--out", str(art), "-q").returncode == 0
-    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu"),
+    _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu"),
                            "torchrun --nproc-per-node 2")
     assert not (art / "logs").exists()  # nothing started
 
 
 def test_run_bad_artifacts(tmp_path) -> None:
-    _assert_one_line_error(run_cli("run", str(tmp_path)), "not an autopar artifact")
+    _assert_one_line_error(cli_here("run", str(tmp_path)), "not an autopar artifact")
     (tmp_path / "manifest.json").write_text("{broken")
     _assert_one_line_error(cli_here("run", str(tmp_path)), "corrupt")
     (tmp_path / "manifest.json").write_text(json.dumps({"manifest_version": 99}))
@@ -110,7 +110,7 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
     from autopar.cost.profile_comm import free_port
 
     art = tmp_path / "art"
-    made = run_cli("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
                    "4", "--constraints", "dp=2,pp=1,zero_stage=3,precision=fp32", "--out",
                    str(art), "-q")
     assert made.returncode == 0, made.stderr
@@ -133,7 +133,7 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
               (art / "logs" / "train.jsonl").read_text().splitlines()]
 
     single = tmp_path / "single"
-    assert run_cli("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
+    assert cli_here("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
                    "4", "--constraints", "precision=fp32", "--out", str(single),
                    "-q").returncode == 0
     assert run_cli("run", str(single), "--steps", "3", "--device", "cpu").returncode == 0

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from ..conftest import TRAINED_STEPS as STEPS
-from .test_inspect import _assert_one_line_error, cli_here, run_cli
+from .test_inspect import _assert_one_line_error, cli_here
 
 pytestmark = pytest.mark.dist
 
@@ -92,7 +92,7 @@ def test_profile_traces_are_chrome_trace_json_with_the_steps(trained_pp2) -> Non
 
 def test_bad_training_options_exit_2_and_write_nothing(tmp_path) -> None:
     art = tmp_path / "one"
-    assert run_cli("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
+    assert cli_here("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
                    "2", "--cluster", "cpu", "--out", str(art), "-q").returncode == 0
     for args, needle in [
         (["--profile", "--profile-steps", "3:2"], "START < END"),

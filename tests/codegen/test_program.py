@@ -14,13 +14,13 @@ import autopar
 from autopar.codegen import load_program, program_text
 from autopar.runtime.source import describe_source
 
-from ..cli.test_inspect import _assert_one_line_error, run_cli
+from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
 pytestmark = pytest.mark.dist
 
 
 def _compile(art, constraints: str, devices: int = 2) -> None:
-    made = run_cli("compile", "tiny-llama", "--devices", str(devices), "--seq", "32",
+    made = cli_here("compile", "tiny-llama", "--devices", str(devices), "--seq", "32",
                    "--global-batch", "4", "--cluster", "cpu", "--constraints", constraints,
                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
@@ -78,7 +78,7 @@ def test_torchrun_runs_the_program_file_and_edits_are_kept(tmp_path) -> None:
     assert edited[1] != pytest.approx(direct[1], rel=1e-6)  # the edit ran
     # a syntax error in the edited program: one line, exit 2, nothing run
     program.write_text(text + "\ndef broken(:\n")
-    _assert_one_line_error(run_cli("run", str(art), "--steps", "1", "--device", "cpu"),
+    _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu"),
                            "train.py:")
 
 

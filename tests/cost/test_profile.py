@@ -12,6 +12,9 @@ from autopar.cost.hardware import load_cluster
 from autopar.cost.profile import profile_machine, write_profile
 from autopar.cost.profile_comm import fit_alpha_beta, predict
 
+# the sweeps time this machine: nothing else may run beside them
+pytestmark = pytest.mark.exclusive
+
 
 def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True,

@@ -1,4 +1,5 @@
-"""Every shipped full-size config plans, on meta, on 8 and on 64 devices: a legal plan that fits
+"""Every shipped full-size config is captured by torch.export with every parameter counted,
+and plans, on meta, on 8 and on 64 devices: a legal plan that fits
 the budget, or (a model whose states cannot fit) one line naming the memory it needs."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar.models import build_model
 from autopar.search.space import model_facts
 
 CONFIGS = sorted(p.stem for p in (Path(autopar.__file__).parent / "models" / "configs")
@@ -17,6 +19,9 @@ CONFIGS = sorted(p.stem for p in (Path(autopar.__file__).parent / "models" / "co
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_shipped_config_plans_on_8_and_64_devices(name: str) -> None:
     graph = autopar.capture(name, seq=1024)
+    assert graph.source == "torch.export"  # captured whole, no fallback
+    assert graph.num_params == sum(p.numel() for p in build_model(name, device="meta")
+                                   .parameters())
     facts = model_facts(graph)
     for devices in (8, 64):
         try:

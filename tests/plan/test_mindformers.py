@@ -97,13 +97,13 @@ def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
         source["recompute_config"]["select_recompute"]
     # a Megatron-LM plan is not autopar's runtime's to run: no train.py, and run says so
     assert not (out / "train.py").exists()
-    _assert_one_line_error(run_cli("run", str(out), "--steps", "1"), "megatron.sh",
+    _assert_one_line_error(cli_here("run", str(out), "--steps", "1"), "megatron.sh",
                            "engine=autopar")
 
 
 def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> None:
     # autopar's own runtime keeps whole activations between pipeline stages
-    _assert_one_line_error(run_cli("compile", "llama2-70b", "--devices", "64",
+    _assert_one_line_error(cli_here("compile", "llama2-70b", "--devices", "64",
                                    "--constraints", str(REAL), "--out", str(tmp_path / "a"),
                                    "-q"), "sequence parallelism inside pipeline stages",
                            "engine=megatron")
