@@ -91,8 +91,8 @@ def trained_pp2(tmp_path_factory):
 
     art = tmp_path_factory.mktemp("loop") / "art"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--cluster", "cpu", "--constraints", "pp=2,dp=1,microbatch_size=1",
-                   "--out", str(art), "-q")
+                    "4", "--cluster", "cpu", "--constraints", "pp=2,dp=1,microbatch_size=1",
+                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     ran = _torchrun(2, "run", str(art), "--steps", str(TRAINED_STEPS), "--device", "cpu",
                     "--lr", "2e-3", "--warmup-steps", "1", "--lr-schedule", "cosine",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 def test_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_path) -> None:
     art = tmp_path / "art"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
+                    "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

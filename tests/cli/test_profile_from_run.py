@@ -25,8 +25,8 @@ def profiled_dp2(tmp_path_factory):
     warm-up): steps 5 and 6 run unprofiled."""
     art = tmp_path_factory.mktemp("fromrun") / "dp2"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--cluster", "cpu", "--constraints", "dp=2,pp=1,zero_stage=0",
-                   "--out", str(art), "-q")
+                    "4", "--cluster", "cpu", "--constraints", "dp=2,pp=1,zero_stage=0",
+                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     ran = _torchrun(2, "run", str(art), "--steps", "7", "--device", "cpu", "--profile",
                     "--profile-steps", "2:5", "--quiet")

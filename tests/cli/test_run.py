@@ -25,7 +25,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 def test_compile_then_run_under_torchrun(tmp_path) -> None:
     art = tmp_path / "art"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
+                    "4", "--constraints", "dp=2,pp=1,zero_stage=3", "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
     assert {p.name for p in art.iterdir()} == {"plan.yaml", "manifest.json", "train.py"}
     assert "fully_shard(" in (art / "train.py").read_text()
@@ -40,7 +40,7 @@ def test_compile_then_run_under_torchrun(tmp_path) -> None:
 def test_run_refuses_a_world_size_that_is_not_the_plans(tmp_path) -> None:
     art = tmp_path / "art"
     assert cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--constraints",
-                   "dp=2,pp=1", "--out", str(art), "-q").returncode == 0
+                    "dp=2,pp=1", "--out", str(art), "-q").returncode == 0
     _assert_one_line_error(cli_here("run", str(art), "--steps", "1", "--device", "cpu"),
                            "torchrun --nproc-per-node 2")
     assert not (art / "logs").exists()  # nothing started
@@ -111,8 +111,8 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
 
     art = tmp_path / "art"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",
-                   "4", "--constraints", "dp=2,pp=1,zero_stage=3,precision=fp32", "--out",
-                   str(art), "-q")
+                    "4", "--constraints", "dp=2,pp=1,zero_stage=3,precision=fp32", "--out",
+                    str(art), "-q")
     assert made.returncode == 0, made.stderr
     port = free_port()
     agents = [subprocess.Popen(
@@ -134,8 +134,8 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
 
     single = tmp_path / "single"
     assert cli_here("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
-                   "4", "--constraints", "precision=fp32", "--out", str(single),
-                   "-q").returncode == 0
+                    "4", "--constraints", "precision=fp32", "--out", str(single),
+                    "-q").returncode == 0
     assert run_cli("run", str(single), "--steps", "3", "--device", "cpu").returncode == 0
     reference = [json.loads(line)["loss"] for line in
                  (single / "logs" / "train.jsonl").read_text().splitlines()]

@@ -93,7 +93,7 @@ def test_profile_traces_are_chrome_trace_json_with_the_steps(trained_pp2) -> Non
 def test_bad_training_options_exit_2_and_write_nothing(tmp_path) -> None:
     art = tmp_path / "one"
     assert cli_here("compile", "tiny-llama", "--devices", "1", "--seq", "32", "--global-batch",
-                   "2", "--cluster", "cpu", "--out", str(art), "-q").returncode == 0
+                    "2", "--cluster", "cpu", "--out", str(art), "-q").returncode == 0
     for args, needle in [
         (["--profile", "--profile-steps", "3:2"], "START < END"),
         (["--profile", "--profile-steps", "0:9"], "past this run's 4 steps"),

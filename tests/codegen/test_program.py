@@ -21,8 +21,8 @@ pytestmark = pytest.mark.dist
 
 def _compile(art, constraints: str, devices: int = 2) -> None:
     made = cli_here("compile", "tiny-llama", "--devices", str(devices), "--seq", "32",
-                   "--global-batch", "4", "--cluster", "cpu", "--constraints", constraints,
-                   "--out", str(art), "-q")
+                    "--global-batch", "4", "--cluster", "cpu", "--constraints", constraints,
+                    "--out", str(art), "-q")
     assert made.returncode == 0, made.stderr
 
 

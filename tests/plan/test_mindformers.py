@@ -104,8 +104,8 @@ def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
 def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> None:
     # autopar's own runtime keeps whole activations between pipeline stages
     _assert_one_line_error(cli_here("compile", "llama2-70b", "--devices", "64",
-                                   "--constraints", str(REAL), "--out", str(tmp_path / "a"),
-                                   "-q"), "sequence parallelism inside pipeline stages",
+                                    "--constraints", str(REAL), "--out", str(tmp_path / "a"),
+                                    "-q"), "sequence parallelism inside pipeline stages",
                            "engine=megatron")
     # its model section describes Llama-2-70B, not 7B
     _assert_one_line_error(cli_here("compile", "llama2-7b", "--devices", "64",
