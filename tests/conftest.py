@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,23 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
+def _lock_path(testrunuid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"autopar-tests-{testrunuid}.lock"
+
+
+def pytest_configure(config) -> None:
+    # the controller names the run (xdist hands the name to its workers) so that it can
+    # remove the run's lock file when the run ends
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config) -> None:
+    uid = getattr(config.option, "testrunuid", None)
+    if uid and not hasattr(config, "workerinput"):
+        _lock_path(uid).unlink(missing_ok=True)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Tests marked ``exclusive`` time the machine itself (``autopar profile``'s sweeps): they
@@ -33,8 +51,7 @@ def pytest_runtest_protocol(item, nextitem):
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if uid is None:
         return (yield)
-    path = Path(tempfile.gettempdir()) / f"autopar-tests-{uid}.lock"
-    with open(path, "a") as handle:
+    with open(_lock_path(uid), "a") as handle:
         exclusive = item.get_closest_marker("exclusive") is not None
         fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
