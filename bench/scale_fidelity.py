@@ -65,7 +65,8 @@ def graph_of(spec: dict) -> autopar.ir.Graph:
 
 def describe(plan: autopar.Plan) -> str:
     m = plan.mesh
-    parts = [f"tp{m['tp']} pp{m['pp']} dp{m['dp']}" + (f" ep{m['ep']}" if m["ep"] > 1 else ""),
+    parts = [f"tp{m['tp']} pp{m['pp']} dp{m['dp']}" + (f" ep{m['ep']}" if m["ep"] > 1 else "")
+             + (f" cp{m['cp']}/{plan.cp_mode}" if m.get("cp", 1) > 1 else ""),
              f"z{plan.zero_stage}", f"mb{plan.microbatch_size}x{plan.num_microbatches}"]
     if m["pp"] > 1:
         parts.append(plan.schedule + (f"/v{plan.virtual_stages}" if plan.virtual_stages > 1

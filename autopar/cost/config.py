@@ -14,8 +14,9 @@ ENGINES = ("autopar", "megatron", "deepspeed")
 # how context parallelism exchanges attention's keys and values across the cp ranks (see
 # autopar.cost.context_parallel): ring passes K/V around the ring, alltoall (DeepSpeed-Ulysses)
 # re-shards q, k, v and the output from sequence to heads, hybrid is all-to-all inside a node
-# and a ring across nodes (Megatron-Core's hierarchical "a2a+p2p")
-CP_MODES = ("ring", "alltoall", "hybrid")
+# and a ring across nodes (Megatron-Core's hierarchical "a2a+p2p"), allgather gathers the
+# whole sequence's K/V before attention (Llama 3's, Megatron-Core's "all_gather")
+CP_MODES = ("ring", "alltoall", "hybrid", "allgather")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ ranks exchange in one of three ways (``ParallelConfig.cp_mode``):
   Megatron-Core's for ``cp_comm_type="a2a"``).
 - ``hybrid`` (Megatron-Core ``cp_comm_type="a2a+p2p"``, hierarchical context parallelism):
   all-to-all among the cp ranks inside a node, a ring across nodes over the rest.
+- ``allgather`` (Llama 3 paper, arXiv 2407.21783, Sec. 3.3.2; Megatron-Core
+  ``cp_comm_type="all_gather"``): the keys and values of the whole sequence are all-gathered
+  over the cp ranks before attention and their gradients reduce-scattered after its backward;
+  the paper states this latency is exposed on the critical path (small under grouped-query
+  attention, whose K/V are few heads).
 
 Gradients of the replicated parameters are reduced over ``dp x cp`` (the data-parallel
 collectives' group includes cp: see ``ParallelConfig.dense_replicas``), as torchtitan's
@@ -38,7 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.activations import storage_root
-from autopar.cost.comm import AxisPlacement, axis_placement, collective_time, p2p_link_time
+from autopar.cost.comm import (
+    AxisPlacement,
+    axis_collective_time,
+    axis_placement,
+    collective_time,
+    p2p_link_time,
+)
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import overlapped
 from autopar.cost.hardware import Cluster
@@ -114,7 +125,7 @@ def _hybrid_inner(config: ParallelConfig, cluster: Cluster) -> int:
 
 def all_to_all_degree(config: ParallelConfig, cluster: Cluster) -> int:
     """Ranks each all-to-all spans: cp (alltoall), the cp ranks of a node (hybrid), 1 (ring)."""
-    if config.cp <= 1 or config.cp_mode == "ring":
+    if config.cp <= 1 or config.cp_mode in ("ring", "allgather"):
         return 1
     return config.cp if config.cp_mode == "alltoall" else _hybrid_inner(config, cluster)
 
@@ -138,7 +149,7 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
     tp = config.tp
     placement = axis_placement(config, "cp", cluster.devices_per_node)
     a2a = all_to_all_degree(config, cluster)
-    ring = cp // a2a  # ranks of the ring (1: no ring)
+    ring = cp // a2a if config.cp_mode != "allgather" else 1  # ranks of the ring (1: none)
     fwd_comm = bwd_comm = 0.0
     fwd_exposed = bwd_exposed = 0.0
     overlap = cluster.device.overlap
@@ -159,6 +170,14 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
             bwd_comm += seconds
             fwd_exposed += seconds
             bwd_exposed += seconds
+        if config.cp_mode == "allgather":  # K/V gathered, dK/dV reduce-scattered: exposed
+            gather = axis_collective_time("all_gather", kv_bytes * cp, config, "cp", cluster)
+            scatter = axis_collective_time("reduce_scatter", kv_bytes * cp, config, "cp",
+                                           cluster)
+            fwd_comm += gather
+            fwd_exposed += gather
+            bwd_comm += gather + scatter  # the backward needs the gathered K/V again
+            bwd_exposed += gather + scatter
         if ring > 1:
             # the ring's neighbours sit a node apart when it spans nodes: its slowest hop
             across = placement.nodes > 1

@@ -21,7 +21,7 @@ _SHAPE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
           ("ffn_hidden_size", "--ffn-hidden-size"), ("num_heads", "--num-attention-heads"),
           ("seq_length", "--seq-length"))
 # Megatron-Core's --cp-comm-type (TransformerEngine's context-parallel attention) per cp_mode
-_CP_COMM = {"ring": "p2p", "alltoall": "a2a", "hybrid": "a2a+p2p"}
+_CP_COMM = {"ring": "p2p", "alltoall": "a2a", "hybrid": "a2a+p2p", "allgather": "all_gather"}
 
 
 def megatron_args(plan: Plan) -> list[str]:

@@ -182,9 +182,9 @@ class Plan:
         if product != self.devices:
             raise PlanError(f"{where}: mesh {mesh} covers {product} devices but devices is "
                             f"{self.devices}; make pp*dp*cp*ep*tp equal devices")
-        if self.cp_mode not in ("ring", "alltoall", "hybrid"):
-            raise PlanError(f"{where}: cp_mode must be ring, alltoall or hybrid, got "
-                            f"{self.cp_mode!r}")
+        if self.cp_mode not in ("ring", "alltoall", "hybrid", "allgather"):
+            raise PlanError(f"{where}: cp_mode must be ring, alltoall, hybrid or allgather, "
+                            f"got {self.cp_mode!r}")
         replicas = mesh["dp"] * mesh["ep"]
         if self.microbatch_size * self.num_microbatches * replicas != self.global_batch:
             raise PlanError(

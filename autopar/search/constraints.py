@@ -1,7 +1,7 @@
 """Constraints that pin parts of a plan: a dict, a YAML file, or a shipped preset name.
 
-Keys: pp, dp, cp, tp, ep, cp_mode (ring | alltoall | hybrid: how context-parallel ranks
-exchange attention's keys and values), stage_layers ([first, last]: layers of the first and
+Keys: pp, dp, cp, tp, ep, cp_mode (ring | alltoall | hybrid | allgather: how
+context-parallel ranks exchange attention's keys and values), stage_layers ([first, last]: layers of the first and
 last pipeline stages, the rest split evenly, as Megatron-LM's
 --decoder-first/last-pipeline-num-layers), stages (explicit [start, end) block ranges),
 microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
