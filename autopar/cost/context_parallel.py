@@ -118,16 +118,21 @@ def ulysses_refusal(heads: int, kv_heads: int, tp: int, degree: int) -> str | No
     return None
 
 
-def _hybrid_inner(config: ParallelConfig, cluster: Cluster) -> int:
-    """cp ranks inside one node: the all-to-all group of the hybrid mode."""
-    return axis_placement(config, "cp", cluster.devices_per_node).per_node
+def all_to_all_ranks(cp: int, cp_mode: str, tp: int, ep: int, devices_per_node: int) -> int:
+    """Ranks each all-to-all spans: cp (alltoall), the cp ranks of one node (hybrid: they sit
+    ``tp x ep`` apart), 1 (ring, allgather)."""
+    if cp <= 1 or cp_mode in ("ring", "allgather"):
+        return 1
+    if cp_mode == "alltoall":
+        return cp
+    stride = tp * ep
+    return 1 if stride >= devices_per_node else max(1, min(cp, devices_per_node // stride))
 
 
 def all_to_all_degree(config: ParallelConfig, cluster: Cluster) -> int:
-    """Ranks each all-to-all spans: cp (alltoall), the cp ranks of a node (hybrid), 1 (ring)."""
-    if config.cp <= 1 or config.cp_mode in ("ring", "allgather"):
-        return 1
-    return config.cp if config.cp_mode == "alltoall" else _hybrid_inner(config, cluster)
+    """:func:`all_to_all_ranks` of a configuration on a cluster."""
+    return all_to_all_ranks(config.cp, config.cp_mode, config.tp, config.ep,
+                            cluster.devices_per_node)
 
 
 def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
@@ -197,5 +202,6 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
     return ContextParallelComm(fwd_exposed, bwd_exposed, fwd_comm, bwd_comm)
 
 
-__all__ = ["AttentionTensors", "ContextParallelComm", "all_to_all_degree", "attention_tensors",
+__all__ = ["AttentionTensors", "ContextParallelComm", "all_to_all_degree", "all_to_all_ranks",
+           "attention_tensors",
            "context_parallel_comm", "ulysses_refusal"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.activations import storage_root
-from autopar.cost.context_parallel import ulysses_refusal
+from autopar.cost.context_parallel import all_to_all_ranks, ulysses_refusal
 from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
 from autopar.peft import is_added_param
@@ -154,15 +154,16 @@ def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per
             continue
         if not tp_tiles_nodes(tp, devices_per_node):
             continue
-        if cp > 1 and pins.get("cp_mode", "ring") == "alltoall" and \
-                facts.ulysses_refusal(tp, cp) is not None:
-            continue
         for pp in divisors(devices // (tp * cp)):
             if pp > facts.blocks:
                 continue
             for ep in divisors(devices // (tp * pp * cp)):
                 if not facts.ep_ok(ep):
                     continue
+                a2a = all_to_all_ranks(cp, pins.get("cp_mode", "ring"), tp, ep,
+                                       devices_per_node)
+                if facts.ulysses_refusal(tp, a2a) is not None:
+                    continue  # Ulysses' all-to-all needs whole heads per rank
                 dp = devices // (tp * pp * ep * cp)
                 if global_batch % (dp * ep):
                     continue

@@ -111,3 +111,29 @@ def test_a_pinned_cp_is_priced_saved_and_refused_by_compile(llama_8k, tmp_path) 
     # the free search proposes only what the runtime runs: cp stays 1
     free = autopar.plan(llama_8k, devices=16, cluster="h100-80g", global_batch=8)
     assert free.mesh["cp"] == 1
+
+
+def test_hybrid_is_all_to_all_inside_a_node_and_allgather_is_exposed(llama_8k) -> None:
+    cluster = load_cluster("h100-80g")
+    block = llama_8k.layer_blocks[0]
+
+    def layer(**kw):
+        config = resolve_precision(ParallelConfig(**kw), cluster)
+        return block_cost(llama_8k, block, config, cluster, "none")
+
+    # 4 cp ranks 2 apart fit in one 8-device node: hybrid is all-to-all there
+    inside = layer(tp=2, cp=4, cp_mode="hybrid")
+    assert inside.cp_fwd_comm_s == pytest.approx(layer(tp=2, cp=4, cp_mode="alltoall")
+                                                 .cp_fwd_comm_s)
+    # 4 cp ranks 4 apart span two nodes: all-to-all in pairs, a ring of 2 across
+    # (an all-to-all over all 4 would need 2 kv heads per tp rank to split 4 ways: refused)
+    across = layer(tp=4, cp=4, cp_mode="hybrid")
+    assert across.cp_fwd_comm_s > 0
+    assert across.cp_fwd_comm_s != pytest.approx(layer(tp=4, cp=4, cp_mode="ring")
+                                                 .cp_fwd_comm_s)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        layer(tp=4, cp=4, cp_mode="alltoall")
+    # Llama 3's all-gather waits for K/V; the ring hides its passes under 8k attention
+    gathered, ring = layer(tp=8, cp=2, cp_mode="allgather"), layer(tp=8, cp=2)
+    assert gathered.cp_fwd_comm_s > ring.cp_fwd_comm_s > 0
+    assert gathered.cp_bwd_comm_s > gathered.cp_fwd_comm_s  # gathered again, reduce-scattered
