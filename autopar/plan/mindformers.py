@@ -150,6 +150,11 @@ def mindformers_yaml(plan: Plan) -> dict:
         "recompute_config": {"recompute": modes == {"full"},
                              "select_recompute": modes == {"selective"}},
     }
+    if m.get("cp", 1) > 1:  # MindFormers' context parallelism and its algorithm
+        algo = {v: k for k, v in _CP_ALGOS.items()}.get(plan.cp_mode)
+        out["parallel_config"]["context_parallel"] = m["cp"]
+        if algo:
+            out["parallel_config"]["context_parallel_algo"] = algo
     if len(modes) > 1 and len(layers) % m["pp"] == 0:  # per-stage counts of leading layers
         per_stage = len(layers) // m["pp"]
         for kind, key in (("full", "recompute"), ("selective", "select_recompute")):
