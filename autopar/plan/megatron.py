@@ -41,6 +41,13 @@ def megatron_args(plan: Plan) -> list[str]:
             layers % (m["pp"] * plan.virtual_stages) == 0:
         args += ["--num-layers-per-virtual-pipeline-stage",
                  str(max(1, layers // (m["pp"] * plan.virtual_stages)))]
+    per_stage = [sum(1 for b in plan.model["blocks"][start:end]
+                     if b["name"] not in ("head", "tail", "root")) for start, end in plan.stages]
+    if m["pp"] > 2 and len(set(per_stage[1:-1])) == 1 and (
+            per_stage[0] != per_stage[1] or per_stage[-1] != per_stage[1]):
+        # uneven first and last stages (the middle ones even): Megatron-Core's own flags
+        args += ["--decoder-first-pipeline-num-layers", str(per_stage[0]),
+                 "--decoder-last-pipeline-num-layers", str(per_stage[-1])]
     if plan.sequence_parallel and m["tp"] > 1:
         args.append("--sequence-parallel")
     modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)

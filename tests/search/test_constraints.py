@@ -66,6 +66,9 @@ def test_cp_pins_read_from_a_megatron_command(tmp_path) -> None:
     assert pins["cp"] == 2 and pins["cp_mode"] == "hybrid" and pins["dp"] == 1
     assert pins["num_microbatches"] == 16
     assert pins["stage_layers"] == (15, 17)  # the last stage takes the rest
+    # DeepSpeed-Ulysses' sequence_parallel_size: all-to-all context parallelism
+    ulysses = load_constraints({"sequence_parallel_size": 4, "zero_optimization": {"stage": 2}})
+    assert ulysses["cp"] == 4 and ulysses["cp_mode"] == "alltoall"
     with pytest.raises(autopar.PlanError, match="cp_mode must be one of"):
         load_constraints({"cp": 2, "cp_mode": "star"})
     with pytest.raises(autopar.PlanError, match="cp must be a positive integer"):
@@ -110,6 +113,11 @@ def test_one_layer_per_virtual_stage_plans_on_megatron() -> None:
                                            stage_layers=[11, 13]))
     sizes = [end - start for start, end in uneven.stages]
     assert sizes == [12] + [12] * 6 + [14]
+    from autopar.plan.megatron import constraints_from_megatron, megatron_command
+
+    command = megatron_command(uneven)
+    assert "--decoder-first-pipeline-num-layers 11" in command
+    assert constraints_from_megatron(command)["stage_layers"] == [11, 13]
     with pytest.raises(autopar.PlanError, match="split evenly"):
         autopar.plan(graph, devices=8, global_batch=8,
                      constraints=dict(pp=8, tp=1, stage_layers=[10, 13]))
