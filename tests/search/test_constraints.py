@@ -67,7 +67,9 @@ def test_cp_pins_read_from_a_megatron_command(tmp_path) -> None:
     assert pins["num_microbatches"] == 16
     assert pins["stage_layers"] == (15, 17)  # the last stage takes the rest
     # DeepSpeed-Ulysses' sequence_parallel_size: all-to-all context parallelism
-    ulysses = load_constraints({"sequence_parallel_size": 4, "zero_optimization": {"stage": 2}})
+    config = tmp_path / "ds_config.json"
+    config.write_text('{"sequence_parallel_size": 4, "zero_optimization": {"stage": 2}}')
+    ulysses = load_constraints(str(config))
     assert ulysses["cp"] == 4 and ulysses["cp_mode"] == "alltoall"
     with pytest.raises(autopar.PlanError, match="cp_mode must be one of"):
         load_constraints({"cp": 2, "cp_mode": "star"})
