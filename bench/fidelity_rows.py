@@ -17,6 +17,7 @@ import yaml
 import autopar
 from autopar.errors import AutoparError
 from autopar.models import build_model, token_inputs
+from autopar.search.constraints import load_constraints
 
 DATA = Path(__file__).resolve().parent / "data"
 ROWS = DATA / "published_runs.yaml"
@@ -127,6 +128,9 @@ def predict(row: dict, free: bool) -> dict:
     out: dict = {"row": row, "status": "priced"}
     started = time.perf_counter()
     try:
+        # an unknown constraint or engine is known before the (slow) capture
+        load_constraints({k: ("full" if v == "every_other" else v)
+                          for k, v in row["pins"].items()})
         graph = graph_of(row["model"])
         kwargs = dict(devices=row["devices"], cluster=row["cluster"],
                       global_batch=row["global_batch"])
