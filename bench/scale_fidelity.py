@@ -203,7 +203,9 @@ def main() -> int:
     results = predict_rows(rows, free, jobs=args.jobs,
                            progress=lambda rid: print(f"... {rid}", file=sys.stderr, flush=True))
     print(f"predicted {len(rows)} rows in {time.perf_counter() - started:.0f} s "
-          f"({args.jobs} process{'es' if args.jobs > 1 else ''})", file=sys.stderr)
+          f"({args.jobs} process{'es' if args.jobs > 1 else ''}); summed over rows: capture and "
+          f"pinned plan {sum(r.get('pinned_s', 0) for r in results):.0f} s, free plans "
+          f"{sum(r.get('free_s', 0) for r in results):.0f} s", file=sys.stderr)
     cited = catalog_citations(sources)
     table = Table(args.markdown)
     print_rows(results, table, free)
