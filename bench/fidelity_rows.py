@@ -7,11 +7,16 @@ dicts (no Plan objects), so rows can be predicted in worker processes (``predict
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
+import os
+import pickle
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import torch
+import transformers
 import yaml
 
 import autopar
@@ -54,17 +59,47 @@ def shape_key(spec: dict) -> str:
 
 
 _GRAPHS: dict[str, autopar.ir.Graph] = {}
+# captured graphs kept on disk between runs (most of a run's time is capture); None: no disk cache
+CACHE_DIR: Path | None = Path(os.environ.get("AUTOPAR_BENCH_CACHE",
+                                             Path.home() / ".cache" / "autopar-bench" / "graphs"))
+PACKAGE = Path(autopar.__file__).resolve().parent
+
+
+def _code_fingerprint() -> str:
+    """What a captured graph depends on: the capture, IR and model code, the shipped configs,
+    torch and transformers. A change to any of them makes every cached graph stale."""
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for sub in ("capture", "ir", "models"):
+        for path in sorted((PACKAGE / sub).rglob("*")):
+            if path.suffix in (".py", ".json"):
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _capture(spec: dict) -> autopar.ir.Graph:
+    if spec["arch"] == "shipped":
+        return autopar.capture(spec["name"], seq=spec["seq"])
+    return autopar.capture(build_model(model_config(spec)), token_inputs(1, spec["seq"]))
 
 
 def graph_of(spec: dict) -> autopar.ir.Graph:
-    """The captured graph of a row's model (captured once per shape in this process)."""
+    """The captured graph of a row's model: once per shape in this process, and from the disk
+    cache (``CACHE_DIR``) when the same code captured it before."""
     key = shape_key(spec)
     if key not in _GRAPHS:
-        if spec["arch"] == "shipped":
-            _GRAPHS[key] = autopar.capture(spec["name"], seq=spec["seq"])
+        cached = None
+        if CACHE_DIR is not None:
+            name = hashlib.sha256(f"{_code_fingerprint()} {key}".encode()).hexdigest()[:24]
+            cached = CACHE_DIR / f"{name}.pkl"
+        if cached is not None and cached.exists():
+            _GRAPHS[key] = pickle.loads(cached.read_bytes())
         else:
-            model = build_model(model_config(spec))
-            _GRAPHS[key] = autopar.capture(model, token_inputs(1, spec["seq"]))
+            _GRAPHS[key] = _capture(spec)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                partial = cached.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_bytes(pickle.dumps(_GRAPHS[key]))
+                partial.replace(cached)  # atomic: a concurrent run never reads half a file
     return _GRAPHS[key]
 
 

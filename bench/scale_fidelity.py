@@ -27,6 +27,7 @@ import argparse
 import sys
 import time
 
+import fidelity_rows
 from fidelity_rows import load_rows, predict_rows
 from fidelity_sources import (
     WITHIN,
@@ -182,7 +183,13 @@ def main() -> int:
                     help="per-source and leave-one-source-out tables")
     ap.add_argument("--jobs", type=int, default=1,
                     help="worker processes (rows of one model shape share one)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="capture every model anew (default: captured graphs are kept in "
+                         "$AUTOPAR_BENCH_CACHE or ~/.cache/autopar-bench, keyed by the capture "
+                         "code, torch and transformers)")
     args = ap.parse_args()
+    if args.no_cache:
+        fidelity_rows.CACHE_DIR = None
     sources = load_sources()
     rows = load_rows()
     check_keys(rows, sources)

@@ -18,6 +18,14 @@ TINY = {"arch": "gpt", "attention": "sdpa", "layers": 2, "hidden": 64, "heads": 
         "ffn": 256, "vocab": 128, "seq": 32}
 
 
+@pytest.fixture(autouse=True)
+def graph_cache(tmp_path, monkeypatch):
+    """Captured graphs cached under the test's directory, never the user's."""
+    monkeypatch.setattr(fidelity_rows, "CACHE_DIR", tmp_path / "graphs")
+    monkeypatch.setattr(fidelity_rows, "_GRAPHS", {})
+    return tmp_path / "graphs"
+
+
 def tiny_row(row_id: str, pins: dict, published_step_s: float = 1.0) -> dict:
     return {"id": row_id, "source_key": "sc21", "counted": True, "cluster": "a100-80g",
             "devices": 2, "global_batch": 4, "model": dict(TINY), "engine": "test",
@@ -96,3 +104,19 @@ def test_priced_rows_carry_the_throughput_error_in_row_order():
         assert res["error"] == pytest.approx(published / res["pinned"]["step_s"] - 1)
     assert results[1]["pinned"]["zero_stage"] == 3
     assert results[2]["status"] == "not expressible" and "no-such-engine" in results[2]["reason"]
+
+
+def test_captured_graphs_come_back_from_the_disk_cache(graph_cache, monkeypatch):
+    first = fidelity_rows.graph_of(TINY)
+    assert len(list(graph_cache.glob("*.pkl"))) == 1
+    monkeypatch.setattr(fidelity_rows, "_GRAPHS", {})  # a new run: only the disk remembers
+
+    def no_capture(spec):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(fidelity_rows, "_capture", no_capture)
+    again = fidelity_rows.graph_of(TINY)
+    assert again.flops == first.flops and again is not first
+    other = dict(TINY, seq=64)  # another shape is not served from the cache
+    with pytest.raises(AssertionError, match="captured again"):
+        fidelity_rows.graph_of(other)
