@@ -59,6 +59,8 @@ class Table:
 
     def line(self, cells: list[str]) -> None:
         sep = " | " if self.md else "  "
+        if self.md:
+            cells = [c.replace("|", "\\|") for c in cells]  # a bar inside a cell splits it
         print(("| " if self.md else "") + sep.join(cells) + (" |" if self.md else ""))
 
 
