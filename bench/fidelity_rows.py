@@ -177,9 +177,11 @@ def predict(row: dict, free: bool) -> dict:
             pinned = autopar.plan(graph, constraints=pins_for(row, graph), memory_limit_gb=1e6,
                                   **kwargs)
     except AutoparError as exc:
+        out.pop("over_memory", None)  # not even without a memory bound: the reason is this one
         out.update(status="not expressible", reason=_one_line(exc))
         return out
     except Exception as exc:  # noqa: BLE001 - one row's failure must not stop the bench
+        out.pop("over_memory", None)
         out.update(status="not expressible", reason=f"{type(exc).__name__}: {_one_line(exc)}")
         return out
     out["pinned"] = _summary(pinned)
