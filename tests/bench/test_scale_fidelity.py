@@ -120,3 +120,26 @@ def test_captured_graphs_come_back_from_the_disk_cache(graph_cache, monkeypatch)
     other = dict(TINY, seq=64)  # another shape is not served from the cache
     with pytest.raises(AssertionError, match="captured again"):
         fidelity_rows.graph_of(other)
+
+
+def test_the_report_names_what_is_not_expressible_and_judges_each_source(monkeypatch, capsys):
+    """The CLI on a row autopar cannot express (known from its pins alone, so nothing is
+    captured), its source cited by one catalog line: the row, the not-expressible table and the
+    per-source tables, with the source judged in-sample."""
+    import scale_fidelity
+
+    row = dict(tiny_row("needs-compile", {"compile": True}), source_key="nemo-h100",
+               cluster="h100-80g", needs="torch.compile")
+    monkeypatch.setattr(scale_fidelity, "load_rows", lambda: [row])
+    monkeypatch.setattr(scale_fidelity, "catalog_citations",
+                        lambda sources: {"nemo-h100": ["cost_models/h100-80g.yaml:7"]})
+    monkeypatch.setattr(sys, "argv", ["scale_fidelity.py", "--no-free", "--by-source",
+                                      "--markdown"])
+    assert scale_fidelity.main() == 0
+    out = capsys.readouterr().out
+    assert "| needs-compile | nemo-h100 | test | 2 | not expressible: " in out
+    assert "| needs-compile | nemo-h100 | torch.compile |" in out  # the not-expressible table
+    # per source: 1 row, 0 priced, 1 not expressible, judged in-sample, the citing line named
+    assert "| nemo-h100 | 1 | 0 | 1 | - | - | 0/0 | IN-SAMPLE | cost_models/h100-80g.yaml:7 |" in out
+    assert "in-sample (sources a catalog line cites): 1 rows (0 priced, 1 not expressible)" in out
+    assert "H100, held-out: 0 rows" in out
