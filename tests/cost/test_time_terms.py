@@ -88,12 +88,13 @@ def test_ring_latency_grows_with_ranks_and_the_tree_takes_over() -> None:
 
 def test_matmul_waves_reproduce_measured_square_matmuls() -> None:
     """bf16 torch.matmul on H100 SXM (zzc0721/torch-performance-test-data#79): 177, 677, 789
-    and 798 TFLOP/s at 1024^3 .. 8192^3 (one partial wave of 32 tiles at 1024)."""
+    and 798 TFLOP/s at 1024^3 .. 8192^3 (one partial wave of 32 tiles at 1024). Each was
+    timed as a short burst at boost clock, so it is priced as one (``sustained=False``)."""
     h100 = load_cluster("h100-80g").device
     for size, measured in ((1024, 176.62e12), (2048, 676.59e12), (4096, 788.72e12),
                            (8192, 797.51e12)):
         op = _linear(size, size, size)
-        rate = op.flops / op_time(op, h100, "bf16", 1.0, 1.0)
+        rate = op.flops / op_time(op, h100, "bf16", 1.0, 1.0, sustained=False)
         assert rate == pytest.approx(measured, rel=0.15), size
 
 
