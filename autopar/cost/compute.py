@@ -22,8 +22,10 @@ efficiency)) + kernel overhead``, and never less than the host's time to issue t
   stays priced op by op, its matmuls at ``efficiency.attention``.
 - **Memory-bound ops** (norms, activations, rotary, softmax, dropout, cross-entropy, copies)
   move their bytes at the achieved bandwidth; fp32 upcasts are counted at the dtype the graph
-  holds. Their backward reads the output gradient and the saved inputs and writes the input
-  gradients: ``2 x inputs + output`` bytes.
+  holds. Their backward moves what PyTorch's autograd formula for the op moves
+  (:func:`backward_kernels`): nothing for an add of equal shapes (the gradient passes through),
+  one kernel per tensor operand for a product, one kernel reading the output gradient and the
+  saved tensors for anything else.
 - Every launched kernel costs ``kernel_overhead_s`` on the device, and takes at least
   ``dispatch_overhead_s`` of host time to issue from eager PyTorch: a kernel shorter than that
   leaves the device idle, which is what small models and small per-device batches pay.
@@ -33,10 +35,24 @@ from __future__ import annotations
 
 import math
 
+from autopar.capture.op_costs import packet_name
 from autopar.cost.hardware import DeviceSpec
 from autopar.ir.graph import OpKind, OpNode
 
 _MATMUL_KINDS = (OpKind.LINEAR, OpKind.MATMUL)
+# autograd formulas (PyTorch's tools/autograd/derivatives.yaml) by the data they move:
+# a sum's gradient is the output gradient itself (reduced only where an operand broadcast)
+_PASS_THROUGH = {"add", "sub", "add_", "sub_"}
+# a product's gradient for each tensor operand is the output gradient times the other one
+_PRODUCT = {"mul", "div", "mul_", "div_"}
+# a sum or mean's gradient is the output gradient broadcast back to the input's shape
+_BROADCAST_BACK = {"sum", "mean", "expand", "repeat"}
+# ops without a gradient (creation, indexing by integers, comparisons)
+_NO_GRAD = {"arange", "zeros", "ones", "full", "empty", "new_ones", "new_zeros", "new_full",
+            "new_empty", "empty_like", "zeros_like", "ones_like", "full_like", "rand", "randn",
+            "scalar_tensor", "randint", "rand_like", "randn_like", "empty_strided", "eq", "ne",
+            "lt", "le", "gt", "ge", "argmax", "argmin", "argsort", "bincount", "histc",
+            "count_nonzero", "any", "all", "sym_size", "sym_numel", "_local_scalar_dense"}
 # the fused kernels' backward: recompute the scores, then dV, dP, dQ and dK (FlashAttention-2,
 # Dao 2023, Sec. 3.1.2; flash-attention's benchmarks count backward FLOPs as 2.5x forward)
 ATTENTION_BACKWARD_FLOPS = 2.5
@@ -105,6 +121,35 @@ def attention_efficiency(device: DeviceSpec, keys: float, backward: bool) -> flo
     return rate * eff.sustained * keys / (keys + ramp)
 
 
+def backward_kernels(op: OpNode) -> tuple[int, float]:
+    """(kernels, bytes at the captured size) the backward of a memory-bound op runs.
+
+    An add passes its output gradient through (a reduction only for an operand it broadcast);
+    a product runs one kernel per tensor operand, each reading the output gradient and the
+    other operand and writing that operand's gradient; every other op (an activation, a norm,
+    softmax, dropout, a copy, cross-entropy) one kernel reading the output gradient and the
+    saved inputs and writing the input gradients; creation and integer ops none.
+    """
+    name = packet_name(op.target)
+    out = float(op.bytes_written)
+    # integer and boolean tensors (masks, positions, indices) carry no gradient
+    floats = [m for m in op.input_meta if m.dtype.startswith(("float", "bfloat"))]
+    ins = [m.nbytes for m in floats]
+    if name in _NO_GRAD or not floats or (op.kind is OpKind.OTHER and name not in (
+            "index", "index_select", "gather")):
+        return 0, 0.0
+    if name in _BROADCAST_BACK:  # the gradient expanded back to the input
+        return 1, out + float(sum(ins))
+    if name in _PASS_THROUGH:
+        reduced = [out + b for b, m in zip(ins, floats, strict=False)
+                   if m.numel * 2 <= max(op.output_meta[0].numel if op.output_meta else 0, 1)]
+        return len(reduced), float(sum(reduced))
+    if name in _PRODUCT and len(ins) > 1:
+        total = float(sum(ins))
+        return len(ins), len(ins) * (out + total)
+    return 1, out + 2 * float(op.bytes_read)
+
+
 def _issue(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> float:
     """Seconds ``kernels`` launches take: each its device time plus the per-kernel overhead,
     and no less than the host's time to issue it."""
@@ -166,7 +211,8 @@ def op_backward_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: flo
     peak = device.flops_for(dtype)
     read = op.bytes_read * byte_scale / divisor
     written = op.bytes_written * byte_scale / divisor
-    memory_time = (2 * read + written) / (device.memory_bandwidth * device.efficiency.memory)
+    bandwidth = device.memory_bandwidth * device.efficiency.memory
+    memory_time = (2 * read + written) / bandwidth
     if op.kind in _MATMUL_KINDS or (op.kind is OpKind.MOE_EXPERT and "mm" in op.target):
         m, n, k = matmul_dims(op)
         rows, cols = m * flop_scale, n / divisor
@@ -183,4 +229,8 @@ def op_backward_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: flo
     if op.kind is OpKind.ATTENTION:  # an unfused attention matmul: two matmuls back
         seconds = flops / (peak * device.efficiency.attention * device.efficiency.sustained)
         return _issue(device, 2 * max(seconds, memory_time / 2), kernels=2)
-    return _issue(device, max(flops / (peak * device.efficiency.memory), memory_time))
+    kernels, nbytes = backward_kernels(op)
+    if kernels == 0:
+        return 0.0
+    seconds = nbytes * byte_scale / divisor / bandwidth
+    return _issue(device, max(flops / (peak * device.efficiency.memory), seconds), kernels)

@@ -207,3 +207,26 @@ def test_sustained_clock_and_dispatch_floor() -> None:
     tiny = OpNode("gelu", "aten.gelu.default", OpKind.ELEMENTWISE, ["a"], [x], [x], x.numel,
                   x.nbytes, x.nbytes)
     assert op_time(tiny, device, "bf16", 1.0, 1.0) == device.dispatch_overhead_s > 0
+
+
+def test_memory_bound_backward_moves_what_autograd_moves() -> None:
+    device = load_cluster("a100-80g").device
+    bandwidth = device.memory_bandwidth * device.efficiency.memory
+    x = TensorMeta((4096, 4096), "bfloat16")
+    gelu = OpNode("gelu", "aten.gelu.default", OpKind.ELEMENTWISE, ["a"], [x], [x], x.numel,
+                  x.nbytes, x.nbytes)
+    # reads the output gradient and the saved input, writes the input gradient
+    assert op_backward_time(gelu, device, "bf16", 1.0, 1.0) == pytest.approx(
+        3 * x.nbytes / bandwidth + device.kernel_overhead_s)
+    add = OpNode("add", "aten.add.Tensor", OpKind.ELEMENTWISE, ["a", "b"], [x, x], [x], x.numel,
+                 2 * x.nbytes, x.nbytes)
+    assert op_backward_time(add, device, "bf16", 1.0, 1.0) == 0.0  # the gradient passes through
+    mul = OpNode("mul", "aten.mul.Tensor", OpKind.ELEMENTWISE, ["a", "b"], [x, x], [x], x.numel,
+                 2 * x.nbytes, x.nbytes)
+    # one kernel per operand: output gradient x the other operand
+    assert op_backward_time(mul, device, "bf16", 1.0, 1.0) == pytest.approx(
+        6 * x.nbytes / bandwidth + 2 * device.kernel_overhead_s)
+    mask = TensorMeta((4096, 4096), "bool")
+    both = OpNode("and", "aten.__and__.Tensor", OpKind.ELEMENTWISE, ["a", "b"], [mask, mask],
+                  [mask], mask.numel, 2 * mask.nbytes, mask.nbytes)
+    assert op_backward_time(both, device, "bf16", 1.0, 1.0) == 0.0
