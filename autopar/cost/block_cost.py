@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.activations import block_activation_bytes, forward_peak_bytes, storage_root
 from autopar.cost.comm import axis_collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
@@ -129,14 +129,16 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t
-        # the backward computes the input gradient (one forward's work) and, for an op with
-        # a trainable weight, the weight gradient (another); a frozen weight skips the second
+        # the backward computes the input gradient and, for an op with a trainable weight,
+        # the weight gradient; a frozen weight skips the second
         frozen = bool(op.params) and not any(
             graph.params[p].trainable for p in op.params if p in graph.params)
-        bwd += t if frozen else 2 * t
+        t_bwd = op_backward_time(op, device, precision.compute, flop_scale, byte_scale, divisor,
+                                 weight_grad=not frozen)
+        bwd += t_bwd
         if op.kind is OpKind.ATTENTION:
             attention_fwd_s += t
-            attention_bwd_s += t if frozen else 2 * t
+            attention_bwd_s += t_bwd
         if name in core:
             core_s += t
     recompute_s = fwd if recompute == "full" else core_s
