@@ -18,6 +18,7 @@ from pathlib import Path
 
 from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
+from autopar.cost.engines import MEGATRON_ENGINES
 from autopar.errors import PlanError
 from autopar.plan import PLAN_VERSION, Plan
 from autopar.plan.support import context_parallel_refusal
@@ -52,8 +53,8 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
     whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
     ``emit`` names other engines' formats to write beside the plan ("deepspeed"). A plan
-    priced for another engine (``plan.engine`` megatron or deepspeed) gets that engine's file
-    instead of ``train.py``: autopar's runtime does not run it. A plan of task "infer" gets
+    priced for another engine (``plan.engine`` megatron, megatron-core or deepspeed) gets that
+    engine's file instead of ``train.py`` (llama3-4d: none): autopar's runtime does not run it. A plan of task "infer" gets
     ``generate.py``, the generation program, instead of ``train.py``.
     """
     plan.validate()
@@ -79,7 +80,7 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
             manifest["program"] = {"file": name, "sha256": digest(program),
                                    "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
         else:  # a plan for another engine runs there: its launch file instead of a program
-            emit = (*emit, plan.engine)
+            emit = (*emit, "megatron" if plan.engine in MEGATRON_ENGINES else plan.engine)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
             import yaml

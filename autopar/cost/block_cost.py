@@ -8,11 +8,23 @@ import weakref
 from dataclasses import dataclass, replace
 
 from autopar.cost.activations import block_activation_bytes, forward_peak_bytes, storage_root
-from autopar.cost.comm import axis_collective_time
+from autopar.cost.comm import (
+    axis_collective_time,
+    bulk_wall,
+    pipelined_wall,
+    ring_exchange_wall,
+)
 from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
+from autopar.cost.engines import (
+    UB_BULK_SMS,
+    UB_PIPELINE_SMS,
+    UB_PIPELINE_SPLITS,
+    UB_RING_SMS,
+    sm_share_slowdown,
+)
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import attention_core, cache_split, tp_layout, vocab_parallel
@@ -57,6 +69,11 @@ class BlockCost:
     # attention compute: what they add to the forward and to the backward (incl. recompute)
     cp_fwd_comm_s: float = 0.0
     cp_bwd_comm_s: float = 0.0
+    # what the tensor-parallel collectives add to one micro-batch's forward / backward when an
+    # engine overlaps them with their GEMMs in chunks (Megatron-Core's --tp-comm-overlap):
+    # the exposed part and the GEMMs' slowdown beside them (see tp_overlap_seconds)
+    tp_overlap_fwd_s: float = 0.0
+    tp_overlap_bwd_s: float = 0.0
 
 
 def captured_batch(graph: Graph) -> int:
@@ -109,6 +126,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     bwd = 0.0
     core_s = 0.0
     attention_fwd_s = attention_bwd_s = 0.0
+    op_s: dict[str, float] = {}  # forward seconds of each op (the GEMMs TP overlap pairs with)
     core = attention_core(graph, block) if recompute == "selective" else set()
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
@@ -128,6 +146,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                 name in layout.sharded and any(is_prefix_param(p) for p in op.params)):
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
+        op_s[name] = t
         fwd += t
         # the backward computes the input gradient and, for an op with a trainable weight,
         # the weight gradient; a frozen weight skips the second
@@ -157,6 +176,12 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         tp_fwd_comm = sum(per[: len(fwd_bytes)])
         if recompute == "full":
             tp_comm += tp_fwd_comm
+    overlap_fwd, overlap_bwd = tp_comm * 0.5, tp_comm * 0.5
+    if tp > 1 and sp:
+        overlap_fwd, overlap_bwd = tp_overlap_seconds(graph, layout, op_s, byte_scale, config,
+                                                      cluster)
+        if recompute == "full":
+            overlap_bwd += overlap_fwd
     ep_comm = 0.0
     if config.ep > 1:
         dispatch = [graph.op(n) for n in block.nodes
@@ -196,7 +221,50 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                      trainable_dense, trainable_expert, tp_fwd_comm,
                      forward_peak_bytes(graph, block, tp, byte_scale, config.tp_layouts,
                                         captured_seq(graph)),
-                     cp_comm.fwd_exposed_s, cp_comm.bwd_exposed_s)
+                     cp_comm.fwd_exposed_s, cp_comm.bwd_exposed_s, overlap_fwd, overlap_bwd)
+
+
+def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale: float,
+                       config: ParallelConfig, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds a block's sequence-parallel collectives add to its GEMMs
+    when they overlap in chunks as TransformerEngine's userbuffers run them (the methods and
+    SM counts in :mod:`autopar.cost.engines`). Forward: the all-gather of each column-linear
+    input as a ring exchange beside the column GEMMs reading it; the reduce-scatter of each
+    row-linear output pipelined in chunks after its GEMM. Backward: the output-gradient
+    all-gather of each row linear as a ring exchange beside its dgrad GEMM; the input
+    all-gather and the input-gradient reduce-scatter of each column input in bulk beside the
+    column dgrad and wgrad GEMMs."""
+    tp = config.tp
+    units = cluster.device.compute_units
+    ring_slow = sm_share_slowdown(UB_RING_SMS, units)
+    pipe_slow = sm_share_slowdown(UB_PIPELINE_SMS, units)
+    bulk_slow = sm_share_slowdown(UB_BULK_SMS, units)
+
+    def coll(kind: str, nbytes: float) -> float:
+        return axis_collective_time(kind, nbytes, config, "tp", cluster)
+
+    fwd = bwd = 0.0
+    readers: dict[str, list[str]] = {}
+    sizes: dict[str, float] = {}
+    for n in [*layout.column, *layout.kv]:
+        op = graph.op(n)
+        if op.inputs:
+            readers.setdefault(op.inputs[0], []).append(n)
+            sizes[op.inputs[0]] = op.input_meta[0].nbytes * byte_scale
+    for inp, names in readers.items():
+        gemm = sum(op_s.get(n, 0.0) for n in names)
+        gather = coll("all_gather", sizes[inp])
+        fwd += ring_exchange_wall(gemm, gather / (tp - 1), tp, ring_slow) - gemm
+        bwd += (bulk_wall(gemm, gather, bulk_slow) - gemm
+                + bulk_wall(gemm, coll("reduce_scatter", sizes[inp]), bulk_slow) - gemm)
+    for n in layout.row:
+        gemm = op_s.get(n, 0.0)
+        nbytes = graph.op(n).output_bytes * byte_scale
+        chunk = coll("reduce_scatter", nbytes / UB_PIPELINE_SPLITS)
+        fwd += pipelined_wall(gemm, chunk, UB_PIPELINE_SPLITS, pipe_slow) - gemm
+        bwd += ring_exchange_wall(gemm, coll("all_gather", nbytes) / (tp - 1), tp,
+                                  ring_slow) - gemm
+    return fwd, bwd
 
 
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,

@@ -242,3 +242,36 @@ def p2p_time(nbytes: float, config: ParallelConfig, cluster: Cluster) -> float:
     """A pipeline send/recv between neighbouring stages."""
     stride = config.tp * config.ep * config.cp * config.dp
     return p2p_link_time(nbytes, stride >= cluster.devices_per_node, cluster)
+
+
+def _beside(gemm_s: float, comm_s: float, slowdown: float) -> float:
+    """A GEMM and a collective issued together: the longer sets the pace, and the GEMM is
+    ``slowdown`` slower while the collective runs beside it."""
+    return max(gemm_s, comm_s) + slowdown * min(gemm_s, comm_s)
+
+
+def ring_exchange_wall(gemm_s: float, step_s: float, ranks: int, slowdown: float) -> float:
+    """Wall seconds of an all-gather overlapped with the GEMM that consumes it, as a ring
+    exchange over ``ranks`` (TransformerEngine's userbuffers): the GEMM starts on the local
+    chunk beside the first exchange, each next chunk's GEMM beside the next exchange
+    (``step_s`` each, ``ranks - 1`` of them), the last chunk's GEMM alone. What hides is at
+    most the GEMM; the collective never hides the GEMM's last chunk."""
+    if ranks <= 1 or step_s <= 0:
+        return gemm_s
+    chunk = gemm_s / ranks
+    return (ranks - 1) * _beside(chunk, step_s, slowdown) + chunk
+
+
+def pipelined_wall(gemm_s: float, chunk_comm_s: float, splits: int, slowdown: float) -> float:
+    """Wall seconds of a GEMM whose output is reduce-scattered in ``splits`` chunks
+    (``chunk_comm_s`` each): each chunk's reduce-scatter runs beside the next chunk's GEMM;
+    the first GEMM chunk runs alone and the last chunk's reduce-scatter is exposed."""
+    if splits <= 1:
+        return gemm_s + chunk_comm_s
+    chunk = gemm_s / splits
+    return chunk + (splits - 1) * _beside(chunk, chunk_comm_s, slowdown) + chunk_comm_s
+
+
+def bulk_wall(gemm_s: float, comm_s: float, slowdown: float) -> float:
+    """Wall seconds of a whole collective issued beside an independent GEMM."""
+    return _beside(gemm_s, comm_s, slowdown)

@@ -24,6 +24,13 @@ from autopar.cost.data_parallel import (
     step_sync,
     step_sync_exposed,
 )
+from autopar.cost.engines import (
+    engine_features,
+    fsdp_under_pipeline,
+    grads_accumulate_unsharded,
+    tp_lane,
+    zero2_per_microbatch,
+)
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.memory import (
     MemoryBreakdown,
@@ -153,11 +160,14 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
             states = model_state_bytes(numel, n, config.zero_stage, param_b, grad_b, optim_b,
                                        trains, frozen_param_bytes=precision.param_bytes)
             mem.params += states.params
-            mem.grads += states.grads
+            # whole until the step's one reduce-scatter where a pipeline schedule defers it
+            mem.grads += trains * grad_b if grads_accumulate_unsharded(config) else states.grads
             mem.optimizer += states.optimizer
-            if config.zero_stage < 3:  # the compute copy of trained weights: kept from the
-                mem.buffers += trains * copy_b  # forward to the end of the backward (ZeRO-3
-                # gathers per block)
+            # the compute copy of trained weights: kept from the forward to the end of the
+            # backward (ZeRO-3 gathers per block, except under a pipeline schedule, whose
+            # backwards leave every block gathered)
+            if config.zero_stage < 3 or fsdp_under_pipeline(config):
+                mem.buffers += trains * copy_b
         held = inflight_microbatches(config.schedule, config.pp, stage,
                                      config.num_microbatches, config.virtual_stages)
         on_device = min(held, 1.0) if "activations" in config.offload else held
@@ -233,19 +243,24 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     costs, mem, host_bytes, offload_s = stage_footprint(graph, config, cluster, stage, blocks,
                                                         train, modes, block_costs)
     replicated = config.dense_replicas > 1
-    # a forward-only pass (prefill) runs the forward's collectives only
-    # ... and context parallelism's attention exchanges, exposed where attention is shorter
-    tp_fwd = [(c.tp_comm_s * 0.5 if train else c.tp_fwd_comm_s) + c.ep_comm_s / 2
-              + c.cp_fwd_comm_s for c in costs]
-    tp_bwd = [c.tp_comm_s * 0.5 + c.ep_comm_s / 2 + c.cp_bwd_comm_s for c in costs] \
-        if train else [0.0] * len(costs)
+    # a forward-only pass (prefill) runs the forward's collectives only; an engine that
+    # overlaps tp collectives with their GEMMs puts only what is left on the lane; context
+    # parallelism's attention exchanges, exposed where attention is shorter
+    tp_fwd = [tp_lane(c, config.engine, train)[0] + c.ep_comm_s / 2 + c.cp_fwd_comm_s
+              for c in costs]
+    tp_bwd = [tp_lane(c, config.engine, train)[1] + c.ep_comm_s / 2 + c.cp_bwd_comm_s
+              for c in costs] if train else [0.0] * len(costs)
     compute_fwd = [c.fwd_s for c in costs]
     compute_bwd = [c.bwd_s + c.recompute_s for c in costs] if train else [0.0] * len(costs)
     # data parallelism: per-block collectives inside every micro-batch (ZeRO-3, and ZeRO-2's
     # reduce-scatters on autopar's runtime), or once per step
     gathers = [0.0] * len(costs)
     reduces = [0.0] * len(costs)
-    per_block = train and replicated and (zero == 3 or (zero == 2 and config.engine == "autopar"))
+    gather_copies = [0.0] * len(costs)  # FSDP2's copies on the compute stream
+    reduce_copies = [0.0] * len(costs)
+    per_block = train and replicated and (zero == 3 or (zero == 2 and zero2_per_microbatch(config)))
+    # FSDP under a pipeline schedule reduce-scatters once per step, after the last backward
+    deferred = train and replicated and fsdp_under_pipeline(config)
     if per_block:
         by_type: dict[int, BlockTraffic] = {}
         for i in range(start, end):
@@ -254,24 +269,36 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
                 by_type[type_id] = cached_block_traffic(graph, i, config, cluster)
             gathers[i - start] = by_type[type_id].gather_s
             reduces[i - start] = by_type[type_id].reduce_s
+            gather_copies[i - start] = by_type[type_id].gather_copy_s
+            reduce_copies[i - start] = by_type[type_id].reduce_copy_s if not deferred else 0.0
     lane_fwd = [a + b for a, b in zip(compute_fwd, tp_fwd, strict=True)]
     lane_bwd = [a + b for a, b in zip(compute_bwd, tp_bwd, strict=True)]
-    per_mb_gathers = gathers if zero == 3 else [0.0] * len(costs)
-    fwd = forward_with_gathers(lane_fwd, per_mb_gathers, overlap)
-    bwd = backward_with_collectives(lane_bwd, per_mb_gathers, reduces, overlap) if train else 0.0
+    none = [0.0] * len(costs)
+    # every micro-batch's forward gathers (ZeRO-2 too: FSDP2 reshards after each backward),
+    # except under a pipeline schedule, whose backward leaves them gathered for the next
+    fwd_gathers = gathers if per_block and not deferred else none
+    bwd_gathers = gathers if zero == 3 else none  # ZeRO-2 keeps the forward's gathers
+    fwd = forward_with_gathers(
+        [a + (b if g else 0.0) for a, b, g in zip(lane_fwd, gather_copies, fwd_gathers,
+                                                  strict=True)], fwd_gathers, overlap)
+    bwd = backward_with_collectives(
+        [a + (b if g else 0.0) + c for a, b, g, c in zip(lane_bwd, gather_copies, bwd_gathers,
+                                                         reduce_copies, strict=True)],
+        bwd_gathers, none if deferred else reduces, overlap) if train else 0.0
     extra = 0.0
-    dp_comm = m * (sum(per_mb_gathers) * 2 + sum(reduces))
-    if per_block and zero == 2:  # parameters gathered once, in the step's first forward
-        extra += forward_with_gathers(lane_fwd, gathers, overlap) - fwd
+    dp_comm = m * (sum(fwd_gathers) + sum(bwd_gathers) + (0.0 if deferred else sum(reduces)))
+    if deferred and zero == 3:  # the first micro-batch's forward gathers
+        extra += forward_with_gathers(lane_fwd, gathers, overlap) - sum(lane_fwd)
         dp_comm += sum(gathers)
-    if train and replicated and not per_block:
+    if train and replicated and (not per_block or deferred):
         sync = step_sync(sum(c.dense_params for c in costs), sum(c.expert_params for c in costs),
                          config, cluster, precision.param_bytes, precision.grad_bytes,
                          sum(c.trainable_dense for c in costs),
-                         sum(c.trainable_expert for c in costs))
+                         sum(c.trainable_expert for c in costs), units=len(costs))
         # the window is the plain backward: recompute only lengthens the critical path, and
         # must not look like it buys hiding (it is chosen for memory, never for time)
-        extra += step_sync_exposed(sync, sum(c.bwd_s for c in costs) + sum(tp_bwd), overlap)
+        extra += step_sync_exposed(sync, sum(c.bwd_s for c in costs) + sum(tp_bwd), overlap,
+                                   first_forward_s=sum(lane_fwd))
         dp_comm += sync.grad_s + sync.param_s
     optimizer_s = optimizer_step_time(mem, device, precision) if train else 0.0
     return StageCost(
@@ -287,8 +314,10 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
 
 def p2p_hidden_share(config: ParallelConfig, cluster: Cluster) -> float:
     """How much of the steady-state pipeline sends hides behind compute: the device's
-    concurrent share, except on Megatron-LM's 1F1B, which forces p2p overlap off."""
-    if config.engine == "megatron" and config.schedule != "interleaved":
+    concurrent share, except on Megatron-LM's and Megatron-Core's 1F1B, which run the sends
+    exposed (Megatron-Core's --overlap-p2p-communication applies to the interleaved schedule
+    only)."""
+    if not engine_features(config.engine).p2p_overlap_1f1b and config.schedule != "interleaved":
         return 0.0
     return cluster.device.overlap.concurrent
 

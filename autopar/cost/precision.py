@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost.engines import engine_features
 from autopar.cost.hardware import DTYPE_ALIASES, DeviceSpec
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -79,9 +80,10 @@ def state_bytes(precision: Precision, engine: str) -> tuple[int, int, int, int]:
     Megatron-LM and DeepSpeed hold the parameter in ``param`` and an fp32 master copy in the
     optimizer. autopar's runtime holds the fp32 parameter itself as the master: FSDP2's
     MixedPrecisionPolicy gathers it cast to ``param`` per block, and autocast casts it per
-    step otherwise, so the low-precision copy is transient (counted with the buffers).
+    step otherwise, so the low-precision copy is transient (counted with the buffers); so does
+    Llama 3's FSDP (``llama3-4d``).
     """
-    if engine == "autopar" and precision.param != "fp32":
+    if engine_features(engine).fp32_param_master and precision.param != "fp32":
         return MASTER_BYTES, precision.grad_bytes, ADAM_MOMENT_BYTES, precision.param_bytes
     return precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes, 0
 

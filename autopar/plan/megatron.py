@@ -14,8 +14,15 @@ import shlex
 
 from autopar.plan.plan import Plan
 
+# Megatron-Core's overlap options (megatron/training/arguments.py): TP communication beside
+# its GEMMs (TransformerEngine userbuffers), gradient reduction beside the backward, the
+# distributed optimizer's parameter gather beside the forward: the megatron-core engine
+OVERLAP_FLAGS = ("--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather")
 _FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp16",
-          "--group-query-attention"}
+          "--group-query-attention", "--use-megatron-fsdp", *OVERLAP_FLAGS}
+# Megatron-Core's own FSDP (--use-megatron-fsdp): what --data-parallel-sharding-strategy shards
+# (megatron/training/arguments.py): gradients too (ZeRO-2), parameters too (ZeRO-3)
+_FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 # the model's shape: plan.shape's words -> Megatron-LM's flags
 _SHAPE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
           ("ffn_hidden_size", "--ffn-hidden-size"), ("num_heads", "--num-attention-heads"),
@@ -63,6 +70,15 @@ def megatron_args(plan: Plan) -> list[str]:
                  "--recompute-num-layers", str(per_stage)]
     if plan.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
+    if plan.engine == "megatron-core" and plan.zero_stage >= 2:  # Megatron FSDP
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                 _FSDP_STRATEGY[plan.zero_stage]]
+    if plan.engine == "megatron-core":  # the overlap its prediction assumed
+        if plan.sequence_parallel and m["tp"] > 1:
+            args.append("--tp-comm-overlap")  # userbuffers need sequence parallelism
+        args.append("--overlap-grad-reduce")
+        if plan.zero_stage >= 1:
+            args.append("--overlap-param-gather")  # the distributed optimizer's gather
     compute = (plan.precision or {}).get("compute", "fp32")
     if compute in ("bf16", "fp16"):
         args.append(f"--{compute}")
@@ -83,7 +99,7 @@ def megatron_command(plan: Plan, gpus_per_node: int = 8) -> str:
     nproc = min(gpus_per_node, plan.devices)
     nnodes = max(1, plan.devices // nproc)
     notes = []
-    if plan.zero_stage >= 2:
+    if plan.zero_stage >= 2 and plan.engine != "megatron-core":
         notes.append(f"ZeRO-{plan.zero_stage} in the plan: Megatron's distributed optimizer "
                      f"shards optimizer states only")
     layer_modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
@@ -117,9 +133,11 @@ def is_megatron(text: str) -> bool:
     return "--tensor-model-parallel-size" in text or "--pipeline-model-parallel-size" in text
 
 
-def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
+def constraints_from_megatron(text: str, engine: str | None = "autopar") -> dict:
     """Constraint keys pinned by Megatron-LM arguments (a launch command or a list), for a
-    plan priced for ``engine``."""
+    plan priced for ``engine``. ``engine=None`` (no engine named elsewhere): Megatron-Core's
+    overlap flags pin the megatron-core engine, whose prediction prices that overlap;
+    without them the plan is for autopar's runtime."""
     words = shlex.split(text, comments=True)
     values: dict[str, str | bool] = {}
     for i, word in enumerate(words):
@@ -132,6 +150,9 @@ def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
             values[key] = inline
         elif i + 1 < len(words) and not words[i + 1].startswith("--"):
             values[key] = words[i + 1]
+    if engine is None:
+        core = any(values.get(f) for f in (*OVERLAP_FLAGS, "--use-megatron-fsdp"))
+        engine = "megatron-core" if core else "autopar"
     out: dict = {"tp": int(values.get("--tensor-model-parallel-size", 1)),
                  "pp": int(values.get("--pipeline-model-parallel-size", 1)),
                  "ep": int(values.get("--expert-model-parallel-size", 1)),
@@ -179,7 +200,11 @@ def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
     # runtime runs that as ZeRO-2 (the nearest stage it supports; see plan/support.py);
     # without it, under tp, the stage is left to the search for the same reason
     keep = out["tp"] == 1 or engine != "autopar"
-    if values.get("--use-distributed-optimizer"):
+    strategy = {v: k for k, v in _FSDP_STRATEGY.items()}.get(
+        str(values.get("--data-parallel-sharding-strategy", "")))
+    if values.get("--use-megatron-fsdp") and strategy:
+        out["zero_stage"] = strategy
+    elif values.get("--use-distributed-optimizer"):
         out["zero_stage"] = 1 if keep else 2
     elif keep:
         out["zero_stage"] = 0
@@ -192,4 +217,6 @@ def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
         out["model"] = shape
     out["precision"] = "bf16" if values.get("--bf16") else "fp16" if values.get("--fp16") \
         else "fp32"
+    if engine == "megatron-core":
+        out["engine"] = engine
     return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopar.cost.engines import MEGATRON_ENGINES
+
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
     from autopar.plan.plan import Plan
@@ -51,12 +53,15 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             num_microbatches: int = 0, kv_replicated: bool = False
                             ) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
-    another engine (megatron, deepspeed) are exported, not run: they are restricted only to
-    what that engine offers."""
+    another engine (megatron, megatron-core, deepspeed, llama3-4d) are exported, not run: they
+    are restricted only to what that engine offers."""
     if engine == "megatron" and zero_stage >= 2:
-        return "ZeRO-2/3 on Megatron-LM (its distributed optimizer shards optimizer states only)"
-    if engine == "megatron" and offload:
+        return ("ZeRO-2/3 on Megatron-LM (its distributed optimizer shards optimizer states "
+                "only; Megatron-Core's FSDP shards more: engine=megatron-core)")
+    if engine in MEGATRON_ENGINES and offload:
         return "offload on Megatron-LM"
+    if engine == "llama3-4d" and offload:
+        return "offload in Llama 3's 4D setup (it keeps every state on the device)"
     if engine != "autopar":
         return None
     replicas = dp * ep
@@ -152,10 +157,12 @@ def refuse_unsupported(plan: Plan) -> None:
     if cp_reason is not None:
         raise PlanError(f"the runtime does not run {cp_reason}")
     if (plan.engine or "autopar") != "autopar":
-        launch = {"megatron": "megatron.sh", "deepspeed": "deepspeed.json"}.get(plan.engine, "")
+        launch = {"megatron": "megatron.sh", "megatron-core": "megatron.sh",
+                  "deepspeed": "deepspeed.json"}.get(plan.engine)
+        where = f" ({launch} beside plan.yaml)" if launch else ""
         raise PlanError(f"the plan is priced for {plan.engine} (engine={plan.engine}), not for "
-                        f"autopar's runtime; run it with that engine ({launch} beside "
-                        f"plan.yaml), or re-plan with constraints engine=autopar")
+                        f"autopar's runtime; run it with that engine{where}, or re-plan with "
+                        f"constraints engine=autopar")
     reason = plan_unsupported(plan)
     if reason is not None:
         raise PlanError(f"the runtime does not run {reason}; re-plan (autopar compile "

@@ -11,6 +11,7 @@ from autopar.cost.block_cost import cached_block_cost, cached_block_traffic
 from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import overlapped, step_sync, step_sync_exposed
+from autopar.cost.engines import fsdp_under_pipeline, tp_lane, zero2_per_microbatch
 from autopar.cost.estimate import p2p_hidden_share
 from autopar.cost.hardware import Cluster
 from autopar.cost.memory import (
@@ -114,27 +115,33 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
     compute_f = compute_b = gather = reduce = 0.0
     replicated = train and config.dense_replicas > 1
     zero3 = replicated and config.zero_stage == 3
-    reduces = zero3 or (replicated and config.zero_stage == 2 and config.engine == "autopar")
+    reduces = zero3 or (replicated and config.zero_stage == 2 and zero2_per_microbatch(config))
+    # FSDP under a pipeline schedule: no per-micro-batch reduce-scatter nor forward gather
+    deferred = replicated and fsdp_under_pipeline(config)
     per_type: dict[int, float] = {}
     smallest_send = float("inf")
     for blocks in graph.block_types().values():
         i, count = blocks[0].index, len(blocks)
         c = cached_block_cost(graph, i, config, cluster, "none")
+        # the tp collectives a block puts on its lane (as the estimate's stage_cost does)
+        tp_f, tp_b = tp_lane(c, config.engine, True) if train else (c.tp_comm_s / 2,
+                                                                    c.tp_comm_s / 2)
         # what a block puts on its stage's compute lane (as the estimate's stage_cost does)
-        per_type[blocks[0].type_id] = c.fwd_s + c.tp_comm_s + (
+        per_type[blocks[0].type_id] = c.fwd_s + tp_f + tp_b + (
             c.bwd_s + c.ep_comm_s if train else c.ep_comm_s / 2)
         smallest_send = min(smallest_send, c.output_bytes)
         weight_grad += count * c.bwd_s / 2 if train else 0.0
-        compute_f += count * (c.fwd_s + (c.tp_comm_s / 2 if train else c.tp_comm_s)
-                              + c.ep_comm_s / 2)
+        compute_f += count * (c.fwd_s + (tp_f if train else c.tp_comm_s) + c.ep_comm_s / 2)
         if train:
-            compute_b += count * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
+            compute_b += count * (c.bwd_s + tp_b + c.ep_comm_s / 2)
         if reduces:
             traffic = cached_block_traffic(graph, i, config, cluster)
             gather += count * traffic.gather_s if zero3 else 0.0
             reduce += count * traffic.reduce_s
     overlap = cluster.device.overlap
-    total = overlapped(compute_f, gather, overlap)
+    if deferred:
+        reduce = 0.0
+    total = overlapped(compute_f, 0.0 if deferred else gather, overlap)
     if train:
         total += overlapped(compute_b + recompute_s, gather + reduce, overlap)
     p, m = config.pp, config.num_microbatches
@@ -253,7 +260,7 @@ def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
                                     train, 1.0)
     seconds = offload_s + optimizer_step_time(floor, cluster.device, config.precision)
     replicated = config.dense_replicas > 1
-    per_block = config.zero_stage == 3 or (config.zero_stage == 2 and config.engine == "autopar")
+    per_block = config.zero_stage == 3 or (config.zero_stage == 2 and zero2_per_microbatch(config))
     if replicated and not per_block:
         # the once-per-step gradient reduction of the stage holding the average share of the
         # parameters, beside the whole model's backward: no stage's is shorter
@@ -264,10 +271,16 @@ def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
                          precision.grad_bytes,
                          (facts.trainable_params - facts.trainable_expert_params) / (
                              config.tp * config.pp),
-                         facts.trainable_expert_params / (config.ep * config.pp))
-        window = 0.0
+                         facts.trainable_expert_params / (config.ep * config.pp),
+                         units=max(1, len(graph.blocks) // config.pp))
+        window = forward = 0.0
         for blocks in graph.block_types().values():
             c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")
-            window += len(blocks) * (c.bwd_s + c.tp_comm_s / 2 + c.ep_comm_s / 2)
-        seconds += step_sync_exposed(sync, window, cluster.device.overlap)
+            tp_f, tp_b = tp_lane(c, config.engine, True)
+            window += len(blocks) * (c.bwd_s + tp_b + c.ep_comm_s / 2 + c.cp_bwd_comm_s)
+            forward += len(blocks) * (c.fwd_s + tp_f + c.ep_comm_s / 2 + c.cp_fwd_comm_s)
+        # beside the whole model's forward and backward: no stage's windows are longer, and
+        # what stays exposed only shrinks as a window grows
+        seconds += step_sync_exposed(sync, window, cluster.device.overlap,
+                                     first_forward_s=forward)
     return seconds

@@ -8,7 +8,8 @@ microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
 ("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
-(autopar | megatron | deepspeed: whose collectives the prediction prices), vocab_parallel
+(autopar | megatron | megatron-core | deepspeed | llama3-4d: whose collectives the prediction
+prices and how they overlap, autopar.cost.engines), vocab_parallel
 (bool: false keeps embedding tables whole on every tp rank), model (the shape the pins were
 written for: hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, vocab_size,
 seq_length; a model of another shape is refused).
@@ -16,7 +17,9 @@ A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
 ``recompute_config`` is translated to the same keys, and so is a DeepSpeed JSON config
 (``zero_optimization``, micro-batch and accumulation, precision, activation checkpointing),
-and a file of Megatron-LM arguments (``--tensor-model-parallel-size`` ...).
+and a file of Megatron-LM arguments (``--tensor-model-parallel-size`` ...; with Megatron-Core's
+``--tp-comm-overlap`` / ``--overlap-grad-reduce`` / ``--overlap-param-gather`` it pins
+engine=megatron-core unless another pin names the engine).
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ def load_constraints(spec: dict | str | Path | list | tuple | None) -> dict:
         return {}
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     raws = [_read(s) for s in specs]
-    engine = "autopar"  # what the translations aim at: the runtime's nearest, or the engine's
+    named = None  # what the translations aim at: the engine named, else the runtime's nearest
     for data, kind, _ in raws:
         if kind == "plain" and isinstance(data, dict) and "engine" in data:
-            engine = data["engine"]
+            named = data["engine"]
     pins: dict = {}
     for data, kind, where in raws:
-        pins.update(_pins(_translate(data, kind, engine, where), where))
+        pins.update(_pins(_translate(data, kind, named, where), where))
     return pins
 
 
@@ -98,12 +101,16 @@ def _read(spec: dict | str | Path) -> tuple[object, str, str]:
     return data, kind, where
 
 
-def _translate(data: object, kind: str, engine: str, where: str) -> dict:
+def _translate(data: object, kind: str, named: str | None, where: str) -> dict:
+    """``data`` of another engine's ``kind`` as constraint keys, for the engine ``named`` by
+    the other pins (None: a Megatron-LM file's overlap flags choose megatron-core, else the
+    runtime's nearest)."""
+    engine = named or "autopar"
     if kind == "megatron":
         from autopar.plan.megatron import constraints_from_megatron
 
         try:
-            return constraints_from_megatron(str(data), engine)
+            return constraints_from_megatron(str(data), named)
         except ValueError as exc:
             raise PlanError(f"{where}: cannot read its Megatron-LM arguments ({exc})") \
                 from None
