@@ -70,6 +70,15 @@ def model_state_bytes(
     return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer)
 
 
+def shards_master_weights(config: ParallelConfig) -> bool:
+    """Whether the plan's ZeRO-2 holds the parameters sharded as ZeRO-3 does: autopar's
+    runtime runs ZeRO-2 as fully_shard without resharding after the forward, so the fp32
+    master parameters stay sharded and only the gathered compute copy is whole (from the
+    forward to the end of the backward); DeepSpeed's and Megatron-LM's ZeRO-2 keep whole
+    parameters."""
+    return config.engine == "autopar" and config.zero_stage == 2
+
+
 def inflight_microbatches(schedule: str, pp: int, stage: int, num_microbatches: int,
                           virtual_stages: int = 1) -> float:
     """Micro-batches whose activations a stage holds at its peak.
@@ -202,10 +211,11 @@ def offload_transfer(config: ParallelConfig, mem: MemoryBreakdown, blocks: list,
         seconds += streamed / bandwidth * (1 - hidden)
         trained = on_host.optimizer / max(state_bytes(precision, config.engine)[2], 1)
         seconds += host_optimizer_step_time(trained, cluster)
-        if blocks and config.zero_stage < 3:
-            # reshard_after_forward=False keeps every block's gathered parameters from the
-            # forward to the end of the backward; the compute copy of trained weights is in
-            # the buffers already where the parameter dtype differs from the fp32 master
+        if blocks and config.zero_stage < 2:
+            # one device: reshard_after_forward=False keeps every block's gathered parameters
+            # from the forward to the end of the backward; the compute copy of trained weights
+            # is in the buffers already where the parameter dtype differs from the fp32 master
+            # (ZeRO-2 counts the gathered copy with its states: shards_master_weights)
             dense = sum((c.dense_params + c.expert_params) * k for c, k in blocks)
             trains = sum((c.trainable_dense + c.trainable_expert) * k for c, k in blocks)
             copy_b = state_bytes(precision, config.engine)[3]

@@ -20,6 +20,7 @@ from autopar.cost.memory import (
     model_state_bytes,
     offload_transfer,
     optimizer_step_time,
+    shards_master_weights,
 )
 from autopar.cost.pipeline import fill_drain_factor, lone_stage_speedup
 from autopar.cost.precision import state_bytes
@@ -196,8 +197,9 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
     for numel, replicas, trains in ((dense, config.dp * config.ep, trains_dense),
                                     (experts, config.dp, trains_experts)):
         if train:
-            states = model_state_bytes(numel, replicas, config.zero_stage, param_b, grad_b,
-                                       optim_b, trains, frozen_param_bytes=precision.param_bytes)
+            zero = 3 if shards_master_weights(config) else config.zero_stage
+            states = model_state_bytes(numel, replicas, zero, param_b, grad_b, optim_b, trains,
+                                       frozen_param_bytes=precision.param_bytes)
         else:
             states = MemoryBreakdown(params=numel * precision.param_bytes)
         out.params += states.params
