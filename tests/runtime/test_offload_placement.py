@@ -4,9 +4,11 @@ bytes the runtime really keeps on the host after ``autopar.parallelize`` (two gl
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.cost.memory import host_states
+from autopar.runtime import parallelize as runtime
 
 from .harness import run_in_group, spawn_ranks
 
@@ -77,3 +79,18 @@ def test_host_bytes_priced_are_the_bytes_the_runtime_offloads(llama_graph, offlo
     mem = stage["memory"]
     assert mem["params"] == mem["grads"] == mem["optimizer"] == 0.0
     assert plan.predicted.offload_s > 0  # the shards' streams and the host's AdamW step
+
+
+def test_an_offloading_rank_takes_its_share_of_the_host_cores(monkeypatch) -> None:
+    """The host step is priced on the node's cores shared by its devices: a rank started with
+    one thread (torchrun's default) takes cores // local ranks, never fewer than it has."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setattr(runtime.os, "cpu_count", lambda: 8)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert runtime.use_host_cores() == 2
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+        assert runtime.use_host_cores() == 2  # never fewer than it has
+    finally:
+        torch.set_num_threads(before)
