@@ -61,6 +61,7 @@ def robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
         "changed": config is not best[0],
         "memory_risk_fraction": MEMORY_RISK_FRACTION,
         "memory_fraction": share, "memory_risk": share > MEMORY_RISK_FRACTION,
+        "fastest_memory_fraction": memory_fraction(best[1], capacity_bytes),
         "passed_over_for_memory": len(near) - len(pool),
     }
     return (config, est), robust
