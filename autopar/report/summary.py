@@ -49,8 +49,15 @@ def _stage_rows(plan: Plan) -> list[dict]:
 
 def _lost_on(chosen: dict, alt: dict, plan: Plan) -> str:
     """The step-time term that grew most against the chosen plan (why the runner-up lost);
-    for a faster runner-up, its worse step under the robustness checks."""
+    for a faster runner-up, its memory above the risk line, else its worse step under the
+    robustness checks."""
     mine = plan.predicted.sensitivity
+    limit = plan.memory_limit_bytes
+    if (alt["step_time_s"] < plan.predicted.step_time_s and limit
+            and alt.get("memory_total", 0.0) > MEMORY_RISK_FRACTION * limit
+            >= plan.predicted.memory.get("total", 0.0)):
+        return (f"memory: {fmt.pct(alt['memory_total'] / limit)} of the usable memory, above "
+                f"{fmt.pct(MEMORY_RISK_FRACTION)}")
     if alt["step_time_s"] < plan.predicted.step_time_s and alt.get("sensitivity") and mine:
         return (f"robustness: worst case {fmt.seconds(max(alt['sensitivity'].values()))} vs "
                 f"{fmt.seconds(max(mine.values()))}")
