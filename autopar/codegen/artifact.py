@@ -20,6 +20,7 @@ from autopar.codegen.generate_program import GENERATE_FILE, generate_program_tex
 from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
 from autopar.errors import PlanError
 from autopar.plan import PLAN_VERSION, Plan
+from autopar.plan.support import context_parallel_refusal
 from autopar.runtime.source import describe_source
 
 MANIFEST_VERSION = 2
@@ -56,6 +57,9 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     ``generate.py``, the generation program, instead of ``train.py``.
     """
     plan.validate()
+    cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1))
+    if cp_reason is not None:  # priced, not runnable: nothing is written
+        raise PlanError(f"cannot compile a program that runs {cp_reason}")
     source = describe_source(model)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():

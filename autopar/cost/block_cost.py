@@ -9,8 +9,9 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.activations import block_activation_bytes, forward_peak_bytes, storage_root
 from autopar.cost.comm import axis_collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import ParallelConfig
+from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
@@ -52,6 +53,10 @@ class BlockCost:
     # of tp_comm_s, the forward's collectives (all of a forward-only pass's communication)
     tp_fwd_comm_s: float = 0.0
     forward_peak_bytes: float = 0.0  # live at once in a forward without autograd (prefill)
+    # context parallelism's attention exchanges (cost.context_parallel), after overlap with
+    # attention compute: what they add to the forward and to the backward (incl. recompute)
+    cp_fwd_comm_s: float = 0.0
+    cp_bwd_comm_s: float = 0.0
 
 
 def captured_batch(graph: Graph) -> int:
@@ -92,12 +97,18 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     precision = config.precision
     assert precision is not None, "resolve the precision first"
     tp, sp = config.tp, config.sequence_parallel and config.tp > 1
-    flop_scale = config.microbatch_size / captured_batch(graph)
-    byte_scale = flop_scale * precision.activation_bytes / captured_float_bytes(graph)
+    # context parallelism: each rank holds seq / cp tokens of every sequence, so its token-wise
+    # compute, activations and activation collectives are 1 / cp of the sequence's; balanced
+    # causal chunks give each rank 1 / cp of attention's work too (cost.context_parallel)
+    seq_byte_scale = (config.microbatch_size / captured_batch(graph)
+                      * precision.activation_bytes / captured_float_bytes(graph))
+    flop_scale = config.microbatch_size / captured_batch(graph) / config.cp
+    byte_scale = seq_byte_scale / config.cp
     layout = tp_layout(graph, block, config.tp_layouts)
     fwd = 0.0
     bwd = 0.0
     core_s = 0.0
+    attention_fwd_s = attention_bwd_s = 0.0
     core = attention_core(graph, block) if recompute == "selective" else set()
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
@@ -118,11 +129,16 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         fwd += t
-        # the backward computes the input gradient (one forward's work) and, for an op with
-        # a trainable weight, the weight gradient (another); a frozen weight skips the second
+        # the backward computes the input gradient and, for an op with a trainable weight,
+        # the weight gradient; a frozen weight skips the second
         frozen = bool(op.params) and not any(
             graph.params[p].trainable for p in op.params if p in graph.params)
-        bwd += t if frozen else 2 * t
+        t_bwd = op_backward_time(op, device, precision.compute, flop_scale, byte_scale, divisor,
+                                 weight_grad=not frozen)
+        bwd += t_bwd
+        if op.kind is OpKind.ATTENTION:
+            attention_fwd_s += t
+            attention_bwd_s += t_bwd
         if name in core:
             core_s += t
     recompute_s = fwd if recompute == "full" else core_s
@@ -173,11 +189,14 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             dense += share
             trainable_dense += share if trains else 0.0
     out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
+    cp_comm = context_parallel_comm(graph, block, config, cluster, seq_byte_scale, kv_split,
+                                    attention_fwd_s, attention_bwd_s, recompute)
     return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
                      acts.recompute_peak_bytes, kv, dense, expert, out_bytes, len(block.params),
                      trainable_dense, trainable_expert, tp_fwd_comm,
                      forward_peak_bytes(graph, block, tp, byte_scale, config.tp_layouts,
-                                        captured_seq(graph)))
+                                        captured_seq(graph)),
+                     cp_comm.fwd_exposed_s, cp_comm.bwd_exposed_s)
 
 
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
@@ -187,7 +206,7 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     block = graph.blocks[index]
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.microbatch_size, config.precision, cluster.cache_key, layout,
+           config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
            config.vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:
@@ -205,7 +224,7 @@ def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
     block = graph.blocks[index]
     c = cached_block_cost(graph, index, config, cluster, "none")
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
-    key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.engine,
+    key = ("traffic", block.type_id, config.dp, config.tp, config.ep, config.cp, config.engine,
            precision, cluster.cache_key, layout, config.vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:

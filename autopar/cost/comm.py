@@ -88,14 +88,18 @@ class AxisPlacement:
 
 
 def axis_placement(config: ParallelConfig, axis: str, devices_per_node: int) -> AxisPlacement:
-    """Members per node of an axis group, with tp innermost, then ep, dp, pp.
+    """Members per node of an axis group, with tp innermost, then ep, cp, dp, pp.
 
-    ``dense_dp`` is the ``ep x dp`` group that dense parameters are replicated over.
+    ``dense_dp`` is the ``ep x cp x dp`` group that dense parameters are replicated over;
+    ``expert_dp`` the ``cp x dp`` group of expert parameters (placed as if its members were
+    ``ep x tp`` apart, which they are within a cp group).
     """
     if axis == "dense_dp":
-        size, stride = config.dp * config.ep, config.tp
+        size, stride = config.dense_replicas, config.tp
+    elif axis == "expert_dp":
+        size, stride = config.expert_replicas, config.tp * config.ep
     else:
-        order = ["tp", "ep", "dp", "pp"]
+        order = ["tp", "ep", "cp", "dp", "pp"]
         size = getattr(config, axis)
         stride = 1
         for inner in order[: order.index(axis)]:
@@ -228,12 +232,13 @@ def p2p_link_time(nbytes: float, across_nodes: bool, cluster: Cluster) -> float:
 
 def axis_collective_time(kind: str, nbytes: float, config: ParallelConfig, axis: str,
                          cluster: Cluster) -> float:
-    """Collective over mesh axis ``axis`` ("tp", "ep", "dp", "pp", "dense_dp") of ``config``."""
+    """Collective over mesh axis ``axis`` ("tp", "ep", "cp", "dp", "pp", "dense_dp",
+    "expert_dp") of ``config``."""
     return collective_time(kind, nbytes, axis_placement(config, axis, cluster.devices_per_node),
                            cluster)
 
 
 def p2p_time(nbytes: float, config: ParallelConfig, cluster: Cluster) -> float:
     """A pipeline send/recv between neighbouring stages."""
-    stride = config.tp * config.ep * config.dp
+    stride = config.tp * config.ep * config.cp * config.dp
     return p2p_link_time(nbytes, stride >= cluster.devices_per_node, cluster)

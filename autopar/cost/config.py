@@ -11,6 +11,12 @@ OFFLOADS = ("optimizer", "params", "activations")
 # whose collectives the estimate prices: autopar's runtime (FSDP2 / DDP / DTensor / pipelining)
 # or, for comparison with published runs and for exporting plans, Megatron-LM's or DeepSpeed's
 ENGINES = ("autopar", "megatron", "deepspeed")
+# how context parallelism exchanges attention's keys and values across the cp ranks (see
+# autopar.cost.context_parallel): ring passes K/V around the ring, alltoall (DeepSpeed-Ulysses)
+# re-shards q, k, v and the output from sequence to heads, hybrid is all-to-all inside a node
+# and a ring across nodes (Megatron-Core's hierarchical "a2a+p2p"), allgather gathers the
+# whole sequence's K/V before attention (Llama 3's, Megatron-Core's "all_gather")
+CP_MODES = ("ring", "alltoall", "hybrid", "allgather")
 
 
 @dataclass(frozen=True)
@@ -44,17 +50,21 @@ class TPLayouts:
 class ParallelConfig:
     """One point of the search space.
 
-    Mesh axes: ``pp x dp x ep x tp`` devices, ``tp`` innermost (consecutive ranks, so it stays
-    inside a node), then ``ep``, then ``dp``, ``pp`` outermost. Expert parallelism borrows
-    data-parallel devices: dense parameters are replicated over ``dp x ep`` ranks (their data
-    parallel degree), expert parameters are split over ``ep`` and replicated over ``dp``; the
-    batch is split over ``dp x ep``.
+    Mesh axes: ``pp x dp x cp x ep x tp`` devices, ``tp`` innermost (consecutive ranks, so it
+    stays inside a node), then ``ep``, ``cp``, ``dp``, ``pp`` outermost. Expert parallelism
+    borrows data-parallel devices: dense parameters are replicated over ``dp x cp x ep`` ranks
+    (their data parallel degree), expert parameters are split over ``ep`` and replicated over
+    ``dp x cp``; the batch is split over ``dp x ep``. Context parallelism splits each sequence
+    over ``cp`` ranks (each holds ``seq / cp`` tokens): its ranks hold the same parameters and
+    reduce gradients with the data-parallel ranks (torchtitan's ``dp_shard_cp`` mesh).
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     sequence_parallel: bool = False
     zero_stage: int = 0
     microbatch_size: int = 1
@@ -71,12 +81,23 @@ class ParallelConfig:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
     @property
     def data_parallel(self) -> int:
         """Ways the batch is split (dense data-parallel degree)."""
         return self.dp * self.ep
+
+    @property
+    def dense_replicas(self) -> int:
+        """Ranks holding the same dense parameters, over which their gradients are reduced
+        and ZeRO shards them: ``dp x cp x ep``."""
+        return self.dp * self.cp * self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same expert parameters: ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -88,7 +109,7 @@ class ParallelConfig:
         return self.recompute[block_index]
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "ep", "microbatch_size", "num_microbatches",
+        for axis in ("dp", "tp", "pp", "ep", "cp", "microbatch_size", "num_microbatches",
                      "virtual_stages"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis} must be >= 1")
@@ -99,6 +120,8 @@ class ParallelConfig:
         bad = set(self.offload) - set(OFFLOADS)
         if bad:
             raise ValueError(f"unknown offload {sorted(bad)}; use {OFFLOADS}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"cp_mode must be one of {CP_MODES}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}")
         if self.tp_layouts is not None and self.tp_layouts.tp != self.tp:

@@ -92,7 +92,7 @@ def _bucketed(kind: str, nbytes: float, bucket_bytes: float, config: ParallelCon
 
 
 def _replicas_axis(expert: bool) -> str:
-    return "dp" if expert else "dense_dp"
+    return "expert_dp" if expert else "dense_dp"
 
 
 def block_traffic(dense: float, expert: float, tensors: int, config: ParallelConfig,
@@ -104,8 +104,8 @@ def block_traffic(dense: float, expert: float, tensors: int, config: ParallelCon
     ``trainable_*`` ones (all by default) have gradients to reduce."""
     gather = reduce = 0.0
     trainable = {"dense_dp": dense if trainable_dense is None else trainable_dense,
-                 "dp": expert if trainable_expert is None else trainable_expert}
-    for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
+                 "expert_dp": expert if trainable_expert is None else trainable_expert}
+    for numel, axis in ((dense, "dense_dp"), (expert, "expert_dp")):
         if numel <= 0:
             continue
         param_b = numel * param_bytes
@@ -142,10 +142,10 @@ def step_sync(dense: float, expert: float, config: ParallelConfig, cluster: Clus
     sync = config.zero_stage <= 1 or (config.engine != "autopar" and config.zero_stage == 2)
     if not sync:
         return StepSync(0.0, 0.0, False, 0.0)
-    replicas = config.dp * config.ep
+    replicas = config.dense_replicas
     trainable = {"dense_dp": dense if trainable_dense is None else trainable_dense,
-                 "dp": expert if trainable_expert is None else trainable_expert}
-    for numel, axis in ((dense, "dense_dp"), (expert, "dp")):
+                 "expert_dp": expert if trainable_expert is None else trainable_expert}
+    for numel, axis in ((dense, "dense_dp"), (expert, "expert_dp")):
         if numel <= 0:
             continue
         grad_b = trainable[axis] * grad_bytes

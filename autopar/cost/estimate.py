@@ -149,8 +149,8 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
     if train:
         param_b, grad_b, optim_b, copy_b = state_bytes(precision, config.engine)
         sharded = shards_master_weights(config)
-        for numel, n, trains in ((dense, config.dp * config.ep, trainable_dense),
-                                 (expert, config.dp, trainable_expert)):
+        for numel, n, trains in ((dense, config.dense_replicas, trainable_dense),
+                                 (expert, config.expert_replicas, trainable_expert)):
             # frozen weights (fine-tuning) need no fp32 master: held in the param dtype
             states = model_state_bytes(numel, n, 3 if sharded else config.zero_stage, param_b,
                                        grad_b, optim_b, trains,
@@ -209,12 +209,12 @@ def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stag
     if train and zero == 3:
         largest = max(c.dense_params + c.expert_params for c, _ in weighted)
         mem.buffers += 2 * largest * precision.param_bytes  # gathered block + prefetch
-    elif train and config.dp * config.ep > 1 and zero <= 1:
+    elif train and config.dense_replicas > 1 and zero <= 1:
         mem.buffers += 2 * DDP_BUCKET_BYTES  # two gradient buckets in flight
     if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
         out = sum(graph.op(n).output_bytes for n in graph.outputs if graph.has_op(n))
         logits = out * config.microbatch_size / captured_batch(graph) * (
-            4 / captured_float_bytes(graph)) / config.tp
+            4 / captured_float_bytes(graph)) / (config.tp * config.cp)
         # a serving prefill keeps only the last position's logits (no gradient)
         mem.buffers += 2 * logits if train else logits / captured_seq(graph)
     return costs, mem, host_bytes, offload_s
@@ -238,12 +238,13 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     zero = config.zero_stage if train else 0
     costs, mem, host_bytes, offload_s = stage_footprint(graph, config, cluster, stage, blocks,
                                                         train, modes, block_costs)
-    replicated = config.dp * config.ep > 1
+    replicated = config.dense_replicas > 1
     # a forward-only pass (prefill) runs the forward's collectives only
+    # ... and context parallelism's attention exchanges, exposed where attention is shorter
     tp_fwd = [(c.tp_comm_s * 0.5 if train else c.tp_fwd_comm_s) + c.ep_comm_s / 2
-              for c in costs]
-    tp_bwd = [c.tp_comm_s * 0.5 + c.ep_comm_s / 2 for c in costs] if train else \
-        [0.0] * len(costs)
+              + c.cp_fwd_comm_s for c in costs]
+    tp_bwd = [c.tp_comm_s * 0.5 + c.ep_comm_s / 2 + c.cp_bwd_comm_s for c in costs] \
+        if train else [0.0] * len(costs)
     compute_fwd = [c.fwd_s for c in costs]
     compute_bwd = [c.bwd_s + c.recompute_s for c in costs] if train else [0.0] * len(costs)
     # data parallelism: per-block collectives inside every micro-batch (ZeRO-3, and ZeRO-2's

@@ -33,6 +33,22 @@ class Efficiency:
     # achieved / peak rate), ascending; a call above the last class takes the last. Empty:
     # ``matmul`` for every shape (with the tile and wave effects)
     matmul_by_flops: tuple[tuple[float, float], ...] = ()
+    # Refinements the shipped GPU catalogs state and a profile written from measurements may
+    # leave out (None: the measured numbers above already are what the device sustains).
+    # sustained / burst rate of Tensor-Core work at the power limit (a training loop runs hot)
+    sustained_clock: float | None = None
+    # a fused (flash) attention kernel: useful FLOP/s over peak, forward and backward, for long
+    # sequences; ``attention`` above then prices only unfused (eager) attention matmuls
+    attention_forward: float | None = None
+    attention_backward: float | None = None
+    # keys per query tile whose time a fused attention kernel spends outside its inner loop
+    # (loading Q, normalising and storing O): the rate at s keys is s / (s + this) of the peak
+    attention_ramp_tokens: float | None = None
+
+    @property
+    def sustained(self) -> float:
+        """The factor on Tensor-Core rates for work that runs as long as a training step."""
+        return 1.0 if self.sustained_clock is None else self.sustained_clock
 
     def matmul_at(self, flops: float) -> float | None:
         """The measured efficiency of a matmul call of ``flops`` FLOPs (None: no classes)."""
@@ -80,6 +96,12 @@ class DeviceSpec:
     memory_bandwidth: float
     efficiency: Efficiency
     overlap: Overlap
+    # host time to issue one kernel from eager PyTorch (Python, dispatcher, autograd, driver):
+    # a kernel shorter than this leaves the device waiting. 0: not stated (a profile)
+    dispatch_overhead_s: float = 0.0
+    # the best model-FLOPs utilisation ever published for this device class (the plausibility
+    # ceiling a prediction is checked against); None: not stated
+    best_published_mfu: float | None = None
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -234,6 +256,21 @@ def _flop_classes(d: dict, where: str) -> tuple[tuple[float, float], ...]:
     return classes
 
 
+_REFINEMENTS = ("sustained_clock", "attention_forward", "attention_backward",
+                "attention_ramp_tokens")
+
+
+def _refinements(d: dict) -> dict:
+    """The optional efficiency refinements a catalog states (see :class:`Efficiency`)."""
+    values = {key: float(d[key]) for key in _REFINEMENTS if d.get(key) is not None}
+    for key in ("sustained_clock", "attention_forward", "attention_backward"):
+        if key in values and not 0 < values[key] <= 1:
+            raise ValueError(f"efficiency.{key} must lie in (0, 1]")
+    if values.get("attention_ramp_tokens", 0.0) < 0:
+        raise ValueError("efficiency.attention_ramp_tokens must be >= 0")
+    return values
+
+
 def parse_cluster(data: dict, where: str) -> Cluster:
     """Build a Cluster from a catalog mapping (the YAML's content)."""
     if not isinstance(data, dict):
@@ -264,9 +301,13 @@ def parse_cluster(data: dict, where: str) -> Cluster:
             memory_bandwidth=float(_require(dev, "memory_bandwidth", where, "device")),
             efficiency=Efficiency(**_numbers(_section(dev, "efficiency", where, "device"),
                                              Efficiency, where, "device.efficiency"),
-                                  matmul_by_flops=_flop_classes(dev["efficiency"], where)),
+                                  matmul_by_flops=_flop_classes(dev["efficiency"], where),
+                                  **_refinements(dev["efficiency"])),
             overlap=Overlap(**_numbers(_section(dev, "overlap", where, "device"), Overlap,
                                        where, "device.overlap")),
+            dispatch_overhead_s=float(dev.get("dispatch_overhead_s") or 0.0),
+            best_published_mfu=(None if dev.get("best_published_mfu") is None
+                                else float(dev["best_published_mfu"])),
         )
         values = _numbers(node, NodeSpec, where, "node")
         node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"]),

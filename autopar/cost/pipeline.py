@@ -76,13 +76,13 @@ def lone_stage_speedup(config: ParallelConfig, cluster: Cluster) -> float:
     devices time-share fewer compute slots (CPU processes on fewer cores): 1 on accelerators.
 
     ``peak_flops`` is the rate with every device of the node busy, ``slots / devices`` of a
-    slot each; a stage's ``dp x tp x ep`` devices alone get ``min(1, slots / g)`` each. Only
+    slot each; a stage's ``dp x cp x tp x ep`` devices alone get ``min(1, slots / g)`` each. Only
     when the whole pipeline sits on one node do its stages share the slots."""
     node = cluster.node
     per_node, slots = node.devices_per_node, node.compute_slots
     if config.pp <= 1 or slots >= per_node or config.devices > per_node:
         return 1.0
-    group = config.dp * config.tp * config.ep
+    group = config.dp * config.tp * config.ep * config.cp
     return min(1.0, slots / group) * per_node / slots
 
 

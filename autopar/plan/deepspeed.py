@@ -76,6 +76,10 @@ def constraints_from_deepspeed(data: dict) -> dict:
         out["dp"] = int(data["train_batch_size"]) // (int(mb) * int(accumulation))
     out["tp"] = int((data.get("tensor_parallel") or {}).get("autotp_size", 1))
     out["pp"] = int((data.get("pipeline") or {}).get("stages", 1))
+    # DeepSpeed-Ulysses: sequence_parallel_size ranks split each sequence, all-to-all over heads
+    ulysses = int(data.get("sequence_parallel_size", 1))
+    if ulysses > 1:
+        out["cp"], out["cp_mode"] = ulysses, "alltoall"
     if (data.get("bf16") or {}).get("enabled"):
         out["precision"] = "bf16"
     elif (data.get("fp16") or {}).get("enabled"):

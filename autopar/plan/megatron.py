@@ -1,9 +1,10 @@
 """A plan as a Megatron-LM launch command, and Megatron-LM arguments as constraints.
 
 Megatron-LM's arguments carry the model-parallel side of a plan: tensor, pipeline (and
-virtual pipeline) and expert sizes, sequence parallelism, the micro-batch and global batch,
+virtual pipeline), context (``--context-parallel-size``, ``--cp-comm-type``) and expert sizes,
+the layers of uneven first and last stages, sequence parallelism, the micro-batch and global batch,
 recompute, and its distributed optimizer (ZeRO-1: optimizer states sharded over dp). The
-data-parallel size is the world size over tp x pp (x ep for the experts' replicas), so the
+data-parallel size is the world size over tp x pp x cp (x ep for the experts' replicas), so the
 emitted command states the world size through torchrun's ``--nnodes`` and ``--nproc-per-node``.
 """
 
@@ -19,6 +20,8 @@ _FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp1
 _SHAPE = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
           ("ffn_hidden_size", "--ffn-hidden-size"), ("num_heads", "--num-attention-heads"),
           ("seq_length", "--seq-length"))
+# Megatron-Core's --cp-comm-type (TransformerEngine's context-parallel attention) per cp_mode
+_CP_COMM = {"ring": "p2p", "alltoall": "a2a", "hybrid": "a2a+p2p", "allgather": "all_gather"}
 
 
 def megatron_args(plan: Plan) -> list[str]:
@@ -31,10 +34,20 @@ def megatron_args(plan: Plan) -> list[str]:
             "--global-batch-size", str(plan.global_batch)]
     if m["ep"] > 1:
         args += ["--expert-model-parallel-size", str(m["ep"])]
+    if m.get("cp", 1) > 1:
+        args += ["--context-parallel-size", str(m["cp"]),
+                 "--cp-comm-type", _CP_COMM[plan.cp_mode]]
     if plan.schedule == "interleaved" and plan.virtual_stages > 1 and \
             layers % (m["pp"] * plan.virtual_stages) == 0:
         args += ["--num-layers-per-virtual-pipeline-stage",
                  str(max(1, layers // (m["pp"] * plan.virtual_stages)))]
+    per_stage = [sum(1 for b in plan.model["blocks"][start:end]
+                     if b["name"] not in ("head", "tail", "root")) for start, end in plan.stages]
+    if m["pp"] > 2 and len(set(per_stage[1:-1])) == 1 and (
+            per_stage[0] != per_stage[1] or per_stage[-1] != per_stage[1]):
+        # uneven first and last stages (the middle ones even): Megatron-Core's own flags
+        args += ["--decoder-first-pipeline-num-layers", str(per_stage[0]),
+                 "--decoder-last-pipeline-num-layers", str(per_stage[-1])]
     if plan.sequence_parallel and m["tp"] > 1:
         args.append("--sequence-parallel")
     modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
@@ -123,11 +136,31 @@ def constraints_from_megatron(text: str, engine: str = "autopar") -> dict:
                  "pp": int(values.get("--pipeline-model-parallel-size", 1)),
                  "ep": int(values.get("--expert-model-parallel-size", 1)),
                  "sequence_parallel": bool(values.get("--sequence-parallel", False))}
+    cp = int(values.get("--context-parallel-size", 1))
+    if cp > 1 or "--context-parallel-size" in values:
+        out["cp"] = cp
+    comm = str(values.get("--cp-comm-type", "p2p"))
+    modes = {v: k for k, v in _CP_COMM.items()}
+    if cp > 1:
+        if comm not in modes:
+            raise ValueError(f"--cp-comm-type {comm} is not one of {', '.join(modes)}")
+        out["cp_mode"] = modes[comm]
+    first = values.get("--decoder-first-pipeline-num-layers")
+    last = values.get("--decoder-last-pipeline-num-layers")
+    if (first or last) and out["pp"] > 1:
+        layers = int(values.get("--num-layers", 0))
+        others = out["pp"] - (first is not None) - (last is not None)
+        rest = layers - int(first or 0) - int(last or 0)
+        if (first is None or last is None) and (not layers or others < 1 or rest % others):
+            raise ValueError("--decoder-first/last-pipeline-num-layers leave layers that do "
+                             "not split evenly over the other stages (state --num-layers)")
+        even = rest // others if others else 0
+        out["stage_layers"] = [int(first) if first else even, int(last) if last else even]
     if "--micro-batch-size" in values:
         out["microbatch_size"] = int(values["--micro-batch-size"])
     world = int(values.get("--nnodes", 1)) * int(values.get("--nproc-per-node", 0))
     if world and "--global-batch-size" in values and "--micro-batch-size" in values:
-        dp_ep = world // (out["tp"] * out["pp"])
+        dp_ep = world // (out["tp"] * out["pp"] * cp)
         out["dp"] = dp_ep // out["ep"]
         out["num_microbatches"] = int(values["--global-batch-size"]) // (
             out["microbatch_size"] * dp_ep)

@@ -17,6 +17,9 @@ from autopar.plan.plan import Plan
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+_CP_ALGOS = {"colossalai_cp": "ring", "ulysses_cp": "alltoall", "hybrid_cp": "hybrid"}
+
+
 def is_mindformers(data: dict) -> bool:
     """Whether a loaded mapping is a MindFormers YAML (by its content)."""
     return "parallel_config" in data
@@ -29,9 +32,15 @@ def constraints_from_mindformers(data: dict, engine: str = "autopar") -> dict:
     for src, dst in (("data_parallel", "dp"), ("model_parallel", "tp"),
                      ("pipeline_stage", "pp"), ("expert_parallel", "ep"),
                      ("micro_batch_num", "num_microbatches"),
-                     ("use_seq_parallel", "sequence_parallel")):
+                     ("use_seq_parallel", "sequence_parallel"),
+                     ("context_parallel", "cp")):
         if src in pc:
             out[dst] = pc[src]
+    # MindFormers' context_parallel_algo: colossalai_cp is a ring, ulysses_cp all-to-all,
+    # hybrid_cp all-to-all inside a group and a ring across
+    algo = _CP_ALGOS.get(str(pc.get("context_parallel_algo", "")))
+    if algo and out.get("cp", 1) > 1:
+        out["cp_mode"] = algo
     if out.get("pp", 1) > 1:  # MindSpore's pipeline runs 1F1B unless told to interleave
         pcfg = (data.get("parallel") or {}).get("pipeline_config") or {}
         if pcfg.get("pipeline_interleave"):
@@ -141,6 +150,11 @@ def mindformers_yaml(plan: Plan) -> dict:
         "recompute_config": {"recompute": modes == {"full"},
                              "select_recompute": modes == {"selective"}},
     }
+    if m.get("cp", 1) > 1:  # MindFormers' context parallelism and its algorithm
+        algo = {v: k for k, v in _CP_ALGOS.items()}.get(plan.cp_mode)
+        out["parallel_config"]["context_parallel"] = m["cp"]
+        if algo:
+            out["parallel_config"]["context_parallel_algo"] = algo
     if len(modes) > 1 and len(layers) % m["pp"] == 0:  # per-stage counts of leading layers
         per_stage = len(layers) // m["pp"]
         for kind, key in (("full", "recompute"), ("selective", "select_recompute")):

@@ -81,7 +81,9 @@ class Predicted:
 class Plan:
     """A parallel execution plan for one model on one cluster.
 
-    ``mesh`` maps ``pp``/``dp``/``tp``/``ep`` to degrees whose product is ``devices``;
+    ``mesh`` maps ``pp``/``dp``/``cp``/``ep``/``tp`` to degrees whose product is ``devices``
+    (``cp``: context-parallel ranks, each holding ``seq / cp`` tokens; ``cp_mode`` how they
+    exchange attention's keys and values: ring, alltoall or hybrid);
     ``recompute`` has one mode per block; ``stages`` are ``[start, end)`` block ranges.
     """
 
@@ -112,6 +114,7 @@ class Plan:
     precision: dict = field(default_factory=dict)
     # whose collectives the prediction prices: autopar's runtime, or megatron / deepspeed
     engine: str = "autopar"
+    cp_mode: str = "ring"
     # task="finetune": the parameter-efficient method (autopar.peft.PeftConfig as a dict) and
     # the parameters it trains (the rest are frozen)
     peft: dict = field(default_factory=dict)
@@ -158,6 +161,8 @@ class Plan:
                             f"versions {', '.join(map(str, READABLE_VERSIONS))}; re-run "
                             f"`autopar compile` to re-plan")
         data = dict(data)
+        if isinstance(data.get("mesh"), dict) and "cp" not in data["mesh"]:
+            data["mesh"] = {**data["mesh"], "cp": 1}  # plans from before context parallelism
         try:
             predicted = Predicted(**data.pop("predicted"))
             plan = cls(predicted=predicted, **data)
@@ -171,12 +176,15 @@ class Plan:
     def validate(self, where: str = "plan") -> None:
         """Internal consistency: what a hand edit can break."""
         mesh = self.mesh
-        if set(mesh) != {"pp", "dp", "tp", "ep"} or any(int(v) < 1 for v in mesh.values()):
-            raise PlanError(f"{where}: mesh must give pp, dp, tp, ep >= 1, got {mesh}")
-        product = mesh["pp"] * mesh["dp"] * mesh["tp"] * mesh["ep"]
+        if set(mesh) != {"pp", "dp", "cp", "tp", "ep"} or any(int(v) < 1 for v in mesh.values()):
+            raise PlanError(f"{where}: mesh must give pp, dp, cp, ep, tp >= 1, got {mesh}")
+        product = mesh["pp"] * mesh["dp"] * mesh["cp"] * mesh["tp"] * mesh["ep"]
         if product != self.devices:
             raise PlanError(f"{where}: mesh {mesh} covers {product} devices but devices is "
-                            f"{self.devices}; make pp*dp*tp*ep equal devices")
+                            f"{self.devices}; make pp*dp*cp*ep*tp equal devices")
+        if self.cp_mode not in ("ring", "alltoall", "hybrid", "allgather"):
+            raise PlanError(f"{where}: cp_mode must be ring, alltoall, hybrid or allgather, "
+                            f"got {self.cp_mode!r}")
         replicas = mesh["dp"] * mesh["ep"]
         if self.microbatch_size * self.num_microbatches * replicas != self.global_batch:
             raise PlanError(

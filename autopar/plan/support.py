@@ -13,6 +13,25 @@ if TYPE_CHECKING:
 
 _STATE_OFFLOAD = frozenset({"optimizer", "params"})
 RECOMPUTE_MODES = ("none", "selective", "full")
+# whether autopar's runtime runs context parallelism (cp > 1): not yet (a later version runs
+# ring attention); a plan with cp > 1 is priced and reported, and refused when run
+RUNTIME_RUNS_CP = False
+
+
+def proposed_cp(pins: dict) -> int:
+    """The context-parallel degree the search tries: the pinned one, else 1. cp > 1 is priced
+    only where pinned: the free search proposes what autopar's runtime runs, and it does not
+    run context parallelism yet (``RUNTIME_RUNS_CP``)."""
+    return int(pins.get("cp", 1))
+
+
+def context_parallel_refusal(engine: str, cp: int) -> str | None:
+    """Why ``engine``'s runtime cannot run ``cp`` context-parallel ranks, or None."""
+    if cp > 1 and engine == "autopar" and not RUNTIME_RUNS_CP:
+        return (f"context parallelism (cp={cp}): autopar's runtime does not run it yet; the "
+                f"plan is priced and reported only (re-plan with constraints cp=1 to run it, "
+                f"or engine=megatron to export it)")
+    return None
 
 
 def recompute_modes(schedule: str, engine: str = "autopar") -> tuple[str, ...]:
@@ -129,6 +148,9 @@ def refuse_unsupported(plan: Plan) -> None:
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
     from autopar.errors import PlanError
 
+    cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1))
+    if cp_reason is not None:
+        raise PlanError(f"the runtime does not run {cp_reason}")
     if (plan.engine or "autopar") != "autopar":
         launch = {"megatron": "megatron.sh", "deepspeed": "deepspeed.json"}.get(plan.engine, "")
         raise PlanError(f"the plan is priced for {plan.engine} (engine={plan.engine}), not for "

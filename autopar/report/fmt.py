@@ -63,8 +63,9 @@ def delta_seconds(s: float) -> str:
 
 
 def mesh(m: dict) -> str:
-    """``pp=1 dp=64 tp=1 ep=1``."""
-    return " ".join(f"{k}={m[k]}" for k in ("pp", "dp", "tp", "ep"))
+    """``pp=1 dp=64 tp=1 ep=1``; ``pp=16 dp=8 cp=16 tp=8 ep=1`` with context parallelism."""
+    axes = ("pp", "dp", "cp", "tp", "ep") if m.get("cp", 1) > 1 else ("pp", "dp", "tp", "ep")
+    return " ".join(f"{k}={m[k]}" for k in axes)
 
 
 def recompute_counts(counts: dict[str, int]) -> str:

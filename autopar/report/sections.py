@@ -33,7 +33,9 @@ def summary_section(d: dict) -> Section:
         schedule += f" (v={s['virtual_stages']} chunks per device)"
     mem = s["memory"]
     pairs = [
-        ("mesh", fmt.mesh(m) + ("  (sequence parallel)" if s["sequence_parallel"] else "")),
+        ("mesh", fmt.mesh(m) + ("  (sequence parallel)" if s["sequence_parallel"] else "")
+         + (f"  (context parallel: {s.get('cp_mode', 'ring')} attention; priced, not run by "
+            f"autopar's runtime)" if m.get("cp", 1) > 1 else "")),
         ("batching", f"global {s['global_batch']} = dp*ep {m['dp'] * m['ep']} x micro-batch "
                      f"{s['microbatch_size']} x {s['num_microbatches']} micro-batches"),
         ("schedule", schedule),

@@ -88,6 +88,9 @@ def plan(
             raise PlanError(f"the constraints are for another model: they state {wrong}; "
                             f"plan the model they describe, or drop its shape from them")
     facts = model_facts(graph)
+    if task == "infer" and pins.get("cp", 1) > 1:
+        raise PlanError("context parallelism (cp > 1) is priced for training only; pin cp=1 "
+                        "to plan serving")
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
@@ -174,7 +177,7 @@ def _shape(graph: Graph) -> dict[str, int]:
 def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
     """A pinned degree that can never work gets its own message, not a generic 'no plan'."""
     product = 1
-    for axis in ("pp", "dp", "tp", "ep"):
+    for axis in ("pp", "dp", "cp", "ep", "tp"):
         if axis in pins:
             product *= pins[axis]
             if devices % pins[axis]:
@@ -191,6 +194,13 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
         raise PlanError(f"ep={pins['ep']} does not divide the model's {facts.experts} experts"
                         if facts.experts else
                         f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
+    if pins.get("cp", 1) > 1 and pins.get("cp_mode", "ring") == "alltoall":
+        tps = [pins["tp"]] if "tp" in pins else [t for t in range(1, devices + 1)
+                                                  if devices % t == 0 and facts.tp_ok(t)]
+        reasons = [facts.ulysses_refusal(t, pins["cp"]) for t in tps]
+        if all(reasons):
+            raise PlanError(f"{reasons[0]}; pin cp_mode=ring (or hybrid), or a cp that divides "
+                            f"the heads")
     if "pp" in pins and pins["pp"] > facts.blocks:
         raise PlanError(f"pp={pins['pp']} exceeds the model's {facts.blocks} blocks")
     modes = pins.get("recompute")
@@ -234,7 +244,8 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
     precision = config.precision
     return Plan(
         model=model, devices=devices, cluster=cluster.name, task=task, global_batch=global_batch,
-        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
+        mesh={"pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
+              "tp": config.tp},
         microbatch_size=config.microbatch_size, num_microbatches=config.num_microbatches,
         zero_stage=config.zero_stage, schedule=config.schedule,
         virtual_stages=config.virtual_stages, sequence_parallel=config.sequence_parallel,
@@ -247,5 +258,5 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
                       for c, e in result.alternatives],
         solver=solver, memory_limit_bytes=round6(capacity),
         precision=precision.as_dict() if precision is not None else {},
-        engine=config.engine,
+        engine=config.engine, cp_mode=config.cp_mode,
     )

@@ -110,7 +110,7 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
     stages is at least the formula on the sums."""
     weight_grad = 0.0
     compute_f = compute_b = gather = reduce = 0.0
-    replicated = train and config.dp * config.ep > 1
+    replicated = train and config.dense_replicas > 1
     zero3 = replicated and config.zero_stage == 3
     reduces = zero3 or (replicated and config.zero_stage == 2 and config.engine == "autopar")
     per_type: dict[int, float] = {}
@@ -194,8 +194,8 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
     trains_experts = facts.trainable_expert_params / (config.ep * config.pp)
     out = MemoryBreakdown()
     param_b, grad_b, optim_b, _ = state_bytes(precision, config.engine)
-    for numel, replicas, trains in ((dense, config.dp * config.ep, trains_dense),
-                                    (experts, config.dp, trains_experts)):
+    for numel, replicas, trains in ((dense, config.dense_replicas, trains_dense),
+                                    (experts, config.expert_replicas, trains_experts)):
         if train:
             zero = 3 if shards_master_weights(config) else config.zero_stage
             states = model_state_bytes(numel, replicas, zero, param_b, grad_b, optim_b, trains,
@@ -257,7 +257,7 @@ def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     _, offload_s = offload_transfer(config, floor, [], config.num_microbatches, cluster,
                                     train, 1.0)
     seconds = offload_s + optimizer_step_time(floor, cluster.device, config.precision)
-    replicated = config.dp * config.ep > 1
+    replicated = config.dense_replicas > 1
     per_block = config.zero_stage == 3 or (config.zero_stage == 2 and config.engine == "autopar")
     if replicated and not per_block:
         # the once-per-step gradient reduction of the stage holding the average share of the

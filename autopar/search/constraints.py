@@ -1,6 +1,10 @@
 """Constraints that pin parts of a plan: a dict, a YAML file, or a shipped preset name.
 
-Keys: pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
+Keys: pp, dp, cp, tp, ep, cp_mode (ring | alltoall | hybrid | allgather: how
+context-parallel ranks exchange attention's keys and values), stage_layers ([first, last]: layers of the first and
+last pipeline stages, the rest split evenly, as Megatron-LM's
+--decoder-first/last-pipeline-num-layers), stages (explicit [start, end) block ranges),
+microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
 ("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
@@ -22,14 +26,14 @@ from pathlib import Path
 import yaml
 
 from autopar._paths import data_dir
-from autopar.cost.config import ENGINES, OFFLOADS, SCHEDULES
+from autopar.cost.config import CP_MODES, ENGINES, OFFLOADS, SCHEDULES
 from autopar.cost.precision import parse_precision
 from autopar.errors import PlanError
 
-INT_KEYS = ("pp", "dp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
+INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
             "virtual_stages")
 KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel", "precision",
-        "engine", "vocab_parallel", "model")
+        "engine", "vocab_parallel", "model", "cp_mode", "stage_layers", "stages")
 _IGNORED = ("name", "description")
 
 
@@ -144,6 +148,30 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: recompute must be none, selective or full (or one of "
                             f"them per block), got {value!r}")
         return value if isinstance(value, str) else tuple(value)
+    if key == "cp_mode":
+        if value not in CP_MODES:
+            raise PlanError(f"{where}: cp_mode must be one of {', '.join(CP_MODES)}, "
+                            f"got {value!r}")
+        return value
+    if key == "stage_layers":
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value):
+            raise PlanError(f"{where}: stage_layers must be [first, last], the layers of the "
+                            f"first and last pipeline stages (positive integers), got {value!r}")
+        return tuple(value)
+    if key == "stages":
+        ranges = value if isinstance(value, (list, tuple)) else None
+        if not ranges or any(not isinstance(r, (list, tuple)) or len(r) != 2 for r in ranges):
+            raise PlanError(f"{where}: stages must be a list of [start, end) block ranges, "
+                            f"got {value!r}")
+        out = tuple((int(a), int(b)) for a, b in ranges)
+        expect = 0
+        for start, end in out:
+            if start != expect or end <= start:
+                raise PlanError(f"{where}: stages {value!r} must be contiguous, non-empty "
+                                f"[start, end) ranges from block 0")
+            expect = end
+        return out
     if key == "schedule":
         if value not in SCHEDULES:
             raise PlanError(f"{where}: schedule must be one of {', '.join(SCHEDULES)}, "

@@ -39,6 +39,7 @@ from autopar.search.space import (
     legal_meshes,
     offload_choices,
 )
+from autopar.search.stage_pins import pinned_stages
 from autopar.search.stages import best_partition
 
 Progress = Callable[[float, str], None]
@@ -83,6 +84,7 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
     meshes = legal_meshes(facts, devices, global_batch, cluster.devices_per_node, pins,
                           allow_cross_node_tp)
     for mesh in meshes:
+        stages = pinned_stages(graph, mesh.pp, pins, defaults.get("engine", "autopar"))
         replica_batch = global_batch // (mesh.dp * mesh.ep)
         for mb in divisors(replica_batch):
             m = replica_batch // mb
@@ -92,8 +94,9 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
                 base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                      cp=mesh.cp, cp_mode=pins.get("cp_mode", "ring"),
                                       sequence_parallel=sp, microbatch_size=mb,
-                                      num_microbatches=m,
+                                      num_microbatches=m, stages=stages,
                                       tp_layouts=(layouts or {}).get(mesh.tp), **defaults)
                 out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
                                           rejected, capacity, reasons))
@@ -117,7 +120,10 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                 # per device (at least one block each)
                 if base.num_microbatches % mesh.pp:
                     continue
-                for v in VIRTUAL_STAGES:
+                # a pinned count is tried whatever it is (Megatron's one layer per chunk:
+                # pp8 x v12 over 96 layers)
+                for v in ((pins["virtual_stages"],) if "virtual_stages" in pins
+                          else VIRTUAL_STAGES):
                     # Megatron-LM states virtual stages as layers per chunk: they must divide
                     if base.engine == "megatron" and facts.layers % (v * mesh.pp):
                         continue
@@ -272,4 +278,4 @@ def _distinct_alternatives(found: list, best: ParallelConfig, keep: int
 
 
 def _shape(c: ParallelConfig) -> tuple:
-    return (c.pp, c.dp, c.tp, c.ep, c.zero_stage, c.schedule, tuple(sorted(c.offload)))
+    return (c.pp, c.dp, c.cp, c.tp, c.ep, c.zero_stage, c.schedule, tuple(sorted(c.offload)))

@@ -138,7 +138,8 @@ def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     else:
         per_block = list(config.recompute)
     return {
-        "mesh": {"pp": config.pp, "dp": config.dp, "tp": config.tp, "ep": config.ep},
+        "mesh": {"pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
+                 "tp": config.tp},
         "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
         "zero_stage": config.zero_stage, "schedule": config.schedule,
         "virtual_stages": config.virtual_stages,
@@ -196,12 +197,13 @@ def bounds(facts: ModelFacts, cluster: Cluster, devices: int, global_batch: int,
     excluded: dict[str, dict] = {k: {"excluded_meshes": 0, "examples": []}
                                  for k in ("divisibility", "batch", "topology", "constraints")}
     blocked_tp: set[int] = set()
-    for tp in divisors(devices):
-        for pp in divisors(devices // tp):
-            for ep in divisors(devices // (tp * pp)):
+    cp = config.cp  # pinned or 1: the meshes searched are those of this context parallelism
+    for tp in divisors(devices // cp):
+        for pp in divisors(devices // (tp * cp)):
+            for ep in divisors(devices // (tp * pp * cp)):
                 if ep > 1 and not facts.experts:
                     continue  # not an option for a dense model at all
-                dp = devices // (tp * pp * ep)
+                dp = devices // (tp * pp * ep * cp)
                 why = _exclusion(facts, tp, pp, dp, ep, global_batch, per_node, cross_node,
                                  pins)
                 if why is None:
@@ -231,9 +233,16 @@ def bounds(facts: ModelFacts, cluster: Cluster, devices: int, global_batch: int,
         config.tp < t <= per_node for t in blocked_tp)
     excluded["topology"]["binding"] = False  # a cross-node tp is tried whenever nothing fits
     excluded["constraints"]["binding"] = bool(pins)
-    excluded["constraints"]["pinned"] = {k: list(v) if isinstance(v, tuple) else v
+    excluded["constraints"]["pinned"] = {k: _plain(v)
                                          for k, v in sorted(pins.items())}
     return {"memory": memory, **excluded}
+
+
+def _plain(value: object) -> object:
+    """A pin as plain YAML data: tuples (stages, recompute lists) as lists."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[int],

@@ -26,6 +26,7 @@ def plan_config(plan: Plan, graph: Graph) -> ParallelConfig:
     precision = Precision.from_dict(plan.precision) if plan.precision else None
     return ParallelConfig(
         dp=plan.mesh["dp"], tp=plan.mesh["tp"], pp=plan.mesh["pp"], ep=plan.mesh["ep"],
+        cp=plan.mesh.get("cp", 1), cp_mode=plan.cp_mode,
         sequence_parallel=plan.sequence_parallel, zero_stage=plan.zero_stage,
         microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
         schedule=plan.schedule, virtual_stages=plan.virtual_stages,

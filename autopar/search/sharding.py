@@ -23,7 +23,7 @@ from ortools.sat.python import cp_model
 from autopar.capture.op_costs import packet_name
 from autopar.cost.activations import requires_grad, storage_root
 from autopar.cost.comm import axis_collective_time
-from autopar.cost.compute import op_time
+from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tied
@@ -137,7 +137,8 @@ def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str
     row-parallel linear implies (a column-parallel input's backward all-reduce is priced
     separately: once per distinct input)."""
     divisor = tp if strategy in ("C", "W", "S") else kv_heads if strategy == "G" else 1
-    seconds = 3 * op_time(op, cluster.device, dtype, 1.0, 1.0, divisor)
+    seconds = (op_time(op, cluster.device, dtype, 1.0, 1.0, divisor)
+               + op_backward_time(op, cluster.device, dtype, 1.0, 1.0, divisor))
     if strategy == "W":
         seconds += axis_collective_time("all_reduce", op.output_bytes, ParallelConfig(tp=tp),
                                         "tp", cluster)

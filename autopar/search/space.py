@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost.activations import storage_root
+from autopar.cost.context_parallel import all_to_all_ranks, ulysses_refusal
 from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
 from autopar.peft import is_added_param
+from autopar.plan.support import proposed_cp
 
 SCHEDULES_PP = ("1f1b", "interleaved", "zero_bubble", "gpipe")
 OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
@@ -45,6 +47,14 @@ class ModelFacts:
 
     def ep_ok(self, ep: int) -> bool:
         return ep == 1 or (self.experts > 0 and self.experts % ep == 0)
+
+    def ulysses_refusal(self, tp: int, degree: int) -> str | None:
+        """Why an all-to-all (Ulysses) over ``degree`` context-parallel ranks cannot split
+        the attention heads of a tp rank, or None when it can."""
+        if len(self.heads) < 1:
+            return None
+        query, kv = max(self.heads), min(self.heads)
+        return ulysses_refusal(query, kv, tp, degree)
 
 
 def model_facts(graph: Graph) -> ModelFacts:
@@ -121,31 +131,43 @@ class Mesh:
     dp: int
     tp: int
     ep: int
+    cp: int = 1
 
     def as_dict(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp}
+
+
+MESH_AXES = ("pp", "dp", "cp", "ep", "tp")
 
 
 def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per_node: int,
                  pins: dict, allow_cross_node_tp: bool = False) -> list[Mesh]:
-    """Every pp x dp x tp x ep = devices that the model and batch allow (and pins keep)."""
+    """Every pp x dp x cp x ep x tp = devices that the model and batch allow (and pins keep).
+    Context parallelism is only what the pins ask for: the search proposes cp > 1 only where
+    a pin does (:func:`autopar.plan.support.proposed_cp`)."""
+    cp = proposed_cp(pins)
     out = []
-    for tp in divisors(devices):
+    if devices % cp:
+        return out
+    for tp in divisors(devices // cp):
         if not facts.tp_ok(tp) or (tp > devices_per_node and not allow_cross_node_tp):
             continue
         if not tp_tiles_nodes(tp, devices_per_node):
             continue
-        for pp in divisors(devices // tp):
+        for pp in divisors(devices // (tp * cp)):
             if pp > facts.blocks:
                 continue
-            for ep in divisors(devices // (tp * pp)):
+            for ep in divisors(devices // (tp * pp * cp)):
                 if not facts.ep_ok(ep):
                     continue
-                dp = devices // (tp * pp * ep)
+                a2a = all_to_all_ranks(cp, pins.get("cp_mode", "ring"), tp, ep,
+                                       devices_per_node)
+                if facts.ulysses_refusal(tp, a2a) is not None:
+                    continue  # Ulysses' all-to-all needs whole heads per rank
+                dp = devices // (tp * pp * ep * cp)
                 if global_batch % (dp * ep):
                     continue
-                mesh = Mesh(pp, dp, tp, ep)
-                if all(getattr(mesh, k) == v for k, v in pins.items() if k in ("pp", "dp", "tp",
-                                                                                "ep")):
+                mesh = Mesh(pp, dp, tp, ep, cp)
+                if all(getattr(mesh, k) == v for k, v in pins.items() if k in MESH_AXES):
                     out.append(mesh)
     return out

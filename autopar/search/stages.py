@@ -200,7 +200,8 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     """The fastest contiguous stage partition with per-stage recompute that fits (or None),
     and whether ``cutoff_s`` decided that (None because nothing fits within ``cutoff_s``).
 
-    ``config`` must carry its precision; its ``stages`` and ``recompute`` are replaced. With
+    ``config`` must carry its precision; its ``recompute`` is replaced, and its ``stages``
+    unless pinned (then only that partition is costed). With
     ``cutoff_s`` (the search passes what a plan must beat to matter), partitions slower than
     it are not searched: the result is exact when it is within ``cutoff_s``; otherwise it is
     the FLOP-balanced split when that fits (an honest, costed plan, not the candidate's best),
@@ -210,6 +211,11 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     n, p, m = planner.n, config.pp, config.num_microbatches
     if p > n:
         return None, False
+    if config.stages is not None:  # pinned (autopar.search.stage_pins): costed as given
+        opts = [planner.option(a, b, s) for s, (a, b) in enumerate(config.stages)]
+        if any(o is None for o in opts):
+            return None, False
+        return planner.assemble(list(config.stages), opts), False  # type: ignore[arg-type]
     if p == 1:
         opt = planner.option(0, n, 0)
         return (None if opt is None else planner.assemble([(0, n)], [opt])), False

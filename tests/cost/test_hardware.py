@@ -296,3 +296,32 @@ def test_cpu_entry_is_marked_placeholder():
     assert numeric
     for line in numeric:
         assert "placeholder" in line, line
+
+
+@pytest.mark.parametrize("name", ["a100-40g", "a100-80g", "h100-80g", "h200", "b200"])
+def test_gpu_entries_state_how_training_kernels_run(name):
+    """Sustained clock, fused attention forward/backward and ramp, host dispatch: stated, in
+    range, and the backward no faster than the forward."""
+    device = load_cluster(name).device
+    eff = device.efficiency
+    assert 0.7 < eff.sustained_clock < 1.0
+    assert 0 < eff.attention_backward <= eff.attention_forward <= 1.0
+    assert eff.attention_ramp_tokens > 0
+    assert device.dispatch_overhead_s > device.kernel_overhead_s
+
+
+def test_a_profile_without_the_refinements_still_loads(tmp_path):
+    """`autopar profile` writes catalogs without them: those load, priced as measured."""
+    data = yaml.safe_load((CATALOG / "a100-80g.yaml").read_text())
+    for key in ("sustained_clock", "attention_forward", "attention_backward",
+                "attention_ramp_tokens"):
+        del data["device"]["efficiency"][key]
+    del data["device"]["dispatch_overhead_s"]
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data))
+    device = load_cluster(path).device
+    assert device.efficiency.sustained == 1.0 and device.dispatch_overhead_s == 0.0
+    data["device"]["efficiency"]["sustained_clock"] = 1.5
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match="sustained_clock"):
+        load_cluster(path)

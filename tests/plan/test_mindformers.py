@@ -38,7 +38,7 @@ def test_a_mindformers_yaml_round_trips_through_a_plan(tmp_path) -> None:
     path.write_text(MINDFORMERS)
     graph = autopar.capture("llama2-70b", seq=4096)
     plan = autopar.plan(graph, devices=64, global_batch=64, constraints=str(path))
-    assert plan.mesh == {"pp": 2, "dp": 4, "tp": 8, "ep": 1}
+    assert plan.mesh == {"pp": 2, "dp": 4, "cp": 1, "tp": 8, "ep": 1}
     assert plan.num_microbatches == 16 and plan.microbatch_size == 1
     assert plan.zero_stage == 2  # the optimizer shard, as the runtime runs it under tp
     back = mindformers_yaml(plan)
@@ -69,7 +69,7 @@ def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
                    str(out), "-q", "--format", "json")
     assert made.returncode == 0, made.stderr
     plan = json.loads(made.stdout)
-    assert plan["mesh"] == {"pp": 8, "dp": 2, "tp": 4, "ep": 1} and plan["sequence_parallel"]
+    assert plan["mesh"] == {"pp": 8, "dp": 2, "cp": 1, "tp": 4, "ep": 1} and plan["sequence_parallel"]
     # the YAML's batch: dp x runner batch x micro-batches, and its sequence length
     assert (plan["global_batch"], plan["microbatch_size"], plan["num_microbatches"]) == \
         (512, 1, 256)

@@ -176,7 +176,7 @@ def test_tiny_llama_tp2_sequence_parallel_matches_single_process(llama) -> None:
 def _pp_tp_plan(graph):
     plan = _plan(graph, 4, pp=2, tp=2, dp=1, schedule="1f1b", sequence_parallel=False,
                  **FOUR_MICROBATCHES)
-    assert plan.mesh == {"pp": 2, "dp": 1, "ep": 1, "tp": 2}
+    assert plan.mesh == {"pp": 2, "dp": 1, "cp": 1, "ep": 1, "tp": 2}
     return plan
 
 

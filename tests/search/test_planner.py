@@ -50,7 +50,7 @@ def test_llama_8b_on_64_is_legal_and_explained(llama8b) -> None:
 
 def test_small_model_large_batch_gets_pure_data_parallelism() -> None:
     plan = autopar.plan("gpt2", devices=8, global_batch=256)
-    assert plan.mesh == {"pp": 1, "dp": 8, "tp": 1, "ep": 1}
+    assert plan.mesh == {"pp": 1, "dp": 8, "cp": 1, "tp": 1, "ep": 1}
 
 
 def test_gpt3_175b_on_1024_a100_keeps_tp_in_a_node_and_matches_megatron_3d() -> None:
