@@ -336,6 +336,7 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
         w.line(f"    # offload ({'+'.join(offload)}): parameters, gradients and the optimizer "
                "step live on the host")
         w.line("    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
+        w.line("    ap.use_host_cores()  # the host's AdamW step: this rank's share of its cores")
     else:
         w.line("    policy = OffloadPolicy()")
     p = plan_precision(plan)

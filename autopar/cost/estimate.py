@@ -38,6 +38,7 @@ from autopar.cost.memory import (
     model_state_bytes,
     offload_transfer,
     optimizer_step_time,
+    shards_master_weights,
 )
 from autopar.cost.pipeline import lone_stage_speedup, pipeline_step_time, shared_pipeline_time
 from autopar.cost.precision import Precision, state_bytes
@@ -154,11 +155,13 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
     held = 1.0
     if train:
         param_b, grad_b, optim_b, copy_b = state_bytes(precision, config.engine)
+        sharded = shards_master_weights(config)
         for numel, n, trains in ((dense, config.dense_replicas, trainable_dense),
                                  (expert, config.expert_replicas, trainable_expert)):
             # frozen weights (fine-tuning) need no fp32 master: held in the param dtype
-            states = model_state_bytes(numel, n, config.zero_stage, param_b, grad_b, optim_b,
-                                       trains, frozen_param_bytes=precision.param_bytes)
+            states = model_state_bytes(numel, n, 3 if sharded else config.zero_stage, param_b,
+                                       grad_b, optim_b, trains,
+                                       frozen_param_bytes=precision.param_bytes)
             mem.params += states.params
             # whole until the step's one reduce-scatter where a pipeline schedule defers it
             mem.grads += trains * grad_b if grads_accumulate_unsharded(config) else states.grads
@@ -168,6 +171,9 @@ def stage_memory(blocks: list[tuple[BlockCost, int]], config: ParallelConfig, st
             # backwards leave every block gathered)
             if config.zero_stage < 3 or fsdp_under_pipeline(config):
                 mem.buffers += trains * copy_b
+            if sharded:  # the rest of what fully_shard gathers and keeps until the backward
+                mem.buffers += (numel - trains) * precision.param_bytes + (
+                    0.0 if copy_b else trains * param_b)
         held = inflight_microbatches(config.schedule, config.pp, stage,
                                      config.num_microbatches, config.virtual_stages)
         on_device = min(held, 1.0) if "activations" in config.offload else held

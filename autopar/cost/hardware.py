@@ -87,7 +87,12 @@ class DeviceSpec:
     matmul_tile: tuple[int, int]  # output tile (rows, cols) one unit computes at a time
     kernel_overhead_s: float  # fixed time of every launched kernel (launch and ramp)
     memory_bytes: float
+    # share of memory_bytes left to the framework's allocator (the runtime context, kernel
+    # workspaces and communication buffers take the rest)
     usable_fraction: float
+    # share of the allocator's pool that fragmentation leaves unusable at the peak: the caching
+    # allocator's reserved bytes exceed the live (active) bytes by this share of reserved
+    allocator_fragmentation: float
     memory_bandwidth: float
     efficiency: Efficiency
     overlap: Overlap
@@ -100,7 +105,9 @@ class DeviceSpec:
 
     @property
     def usable_memory_bytes(self) -> float:
-        return self.memory_bytes * self.usable_fraction
+        """Bytes the plan's live tensors may take at their peak: the allocator's share of the
+        device, less the fragmentation headroom its caching pool needs."""
+        return self.memory_bytes * self.usable_fraction * (1.0 - self.allocator_fragmentation)
 
     def flops_for(self, dtype: str) -> float:
         """Peak dense FLOP/s for a dtype; a dtype the device lacks falls back to fp32's rate."""
@@ -132,6 +139,10 @@ class NodeSpec:
     collective_latency: float
     host_bandwidth: float
     host_memory_bytes: float
+    # the host CPU that the node's devices share: its cores and the DRAM bandwidth they
+    # achieve together (all sockets), which an offloaded optimizer step runs on
+    host_cores: int
+    host_memory_bandwidth: float
 
 
 @dataclass(frozen=True)
@@ -285,6 +296,8 @@ def parse_cluster(data: dict, where: str) -> Cluster:
             kernel_overhead_s=float(_require(dev, "kernel_overhead_s", where, "device")),
             memory_bytes=float(_require(dev, "memory_bytes", where, "device")),
             usable_fraction=float(_require(dev, "usable_fraction", where, "device")),
+            allocator_fragmentation=float(_require(dev, "allocator_fragmentation", where,
+                                                   "device")),
             memory_bandwidth=float(_require(dev, "memory_bandwidth", where, "device")),
             efficiency=Efficiency(**_numbers(_section(dev, "efficiency", where, "device"),
                                              Efficiency, where, "device.efficiency"),
@@ -298,9 +311,14 @@ def parse_cluster(data: dict, where: str) -> Cluster:
         )
         values = _numbers(node, NodeSpec, where, "node")
         node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"]),
-                                 "compute_slots": int(values["compute_slots"])})
+                                 "compute_slots": int(values["compute_slots"]),
+                                 "host_cores": int(values["host_cores"])})
         if not 1 <= node_spec.compute_slots <= node_spec.devices_per_node:
             raise ValueError("node.compute_slots must lie in 1..devices_per_node")
+        if node_spec.host_cores < 1 or node_spec.host_memory_bandwidth <= 0:
+            raise ValueError("node.host_cores and node.host_memory_bandwidth must be positive")
+        if not 0.0 <= device.allocator_fragmentation < 1.0:
+            raise ValueError("device.allocator_fragmentation must lie in [0, 1)")
     except (TypeError, ValueError, AttributeError) as exc:
         raise PlanError(f"{where}: bad value ({exc}); numbers must be plain floats like "
                         f"312e12") from None

@@ -231,6 +231,10 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
     bandwidth = max(mem["copy"], mem["add"]) / share
     host_rates = measure_host_bandwidth(dev, plan["mem_bytes"], plan["repeats"]) if gpu else {}
     host_bw = min(host_rates["h2d_pinned"], host_rates["d2h_pinned"]) if gpu else bandwidth
+    # the host DRAM an offloaded optimizer step runs on: all of the node's processes share it
+    host_mem = measure_memory_bandwidth(torch.device("cpu"), plan["mem_bytes"],
+                                        plan["repeats"]) if gpu else mem
+    host_memory_bandwidth = max(host_mem["copy"], host_mem["add"])
     ram = float(psutil.virtual_memory().total)
     memory_bytes = float(torch.cuda.get_device_properties(dev).total_memory) if gpu else ram / nprocs
 
@@ -264,6 +268,7 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "kernel_overhead_s": overhead,
             "memory_bytes": memory_bytes,
             "usable_fraction": 0.9,
+            "allocator_fragmentation": 0.08 if gpu else 0.0,
             "memory_bandwidth": bandwidth,
             "efficiency": {"matmul": 1.0, "memory": 1.0,
                            "attention": min(1.0, attn / peak[attn_dtype])},
@@ -282,6 +287,8 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "collective_latency": intra_lat,
             "host_bandwidth": host_bw,
             "host_memory_bytes": ram,
+            "host_cores": cpus,
+            "host_memory_bandwidth": host_memory_bandwidth,
         },
         "sources": {
             "peak_flops": "best torch.mm rate of the sweep (efficiency.matmul = 1.0)"
@@ -302,6 +309,11 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
             "compute_slots": "one GPU per device" if gpu else
                              f"{cpus} cores for {nprocs} single-threaded processes",
             "usable_fraction": "default, not measured",
+            "allocator_fragmentation": "not measured: the shipped catalogs' figure for PyTorch's "
+                                       "caching allocator (meta-llama/llama-cookbook#120)" if gpu
+                                       else "not measured: CPU tensors keep no caching pool",
+            "host_cores": "os.cpu_count()",
+            "host_memory_bandwidth": "best of copy / add over a large CPU tensor, all threads",
             "intra_bandwidth": comm_src + "; achieved, so intra_efficiency = 1.0",
             "intra_latency": comm_src, "collective_latency": comm_src,
             "inter_bandwidth": "single-node profile: inter_* copy the intra-node fit",

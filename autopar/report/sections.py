@@ -109,6 +109,9 @@ def robustness_section(d: dict) -> Section | None:
         lines.append(f"the fastest plan ({fmt.seconds(r['fastest_step_time_s'])}) was passed "
                      f"over: its worst case is {fmt.seconds(r['fastest_worst_case_s'])}; it is "
                      f"listed among the runner-ups")
+    if r.get("passed_over_for_memory"):
+        lines.append(f"{r['passed_over_for_memory']} of them were passed over for using more "
+                     f"than {fmt.pct(r['memory_risk_fraction'])} of the usable memory")
     return Section("Robustness", headers=["if", "step", "change"], rows=rows, lines=lines,
                    numeric={1, 2}, anchor="robustness")
 

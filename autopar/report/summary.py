@@ -10,6 +10,7 @@ from __future__ import annotations
 from autopar.plan import Plan
 from autopar.report import fmt
 from autopar.report.fmt import MEMORY_KINDS, TIME_LABELS, TIME_TERMS
+from autopar.search.robust import MEMORY_RISK_FRACTION
 
 _ZERO = {0: "none (every data-parallel rank holds all states)",
          1: "stage 1 (optimizer states sharded over dp)",
@@ -48,8 +49,15 @@ def _stage_rows(plan: Plan) -> list[dict]:
 
 def _lost_on(chosen: dict, alt: dict, plan: Plan) -> str:
     """The step-time term that grew most against the chosen plan (why the runner-up lost);
-    for a faster runner-up, its worse step under the robustness checks."""
+    for a faster runner-up, its memory above the risk line, else its worse step under the
+    robustness checks."""
     mine = plan.predicted.sensitivity
+    limit = plan.memory_limit_bytes
+    if (alt["step_time_s"] < plan.predicted.step_time_s and limit
+            and alt.get("memory_total", 0.0) > MEMORY_RISK_FRACTION * limit
+            >= plan.predicted.memory.get("total", 0.0)):
+        return (f"memory: {fmt.pct(alt['memory_total'] / limit)} of the usable memory, above "
+                f"{fmt.pct(MEMORY_RISK_FRACTION)}")
     if alt["step_time_s"] < plan.predicted.step_time_s and alt.get("sensitivity") and mine:
         return (f"robustness: worst case {fmt.seconds(max(alt['sensitivity'].values()))} vs "
                 f"{fmt.seconds(max(mine.values()))}")
@@ -150,7 +158,27 @@ def _notes(plan: Plan) -> list[str]:
     if [list(s["blocks"]) for s in p.stages] != [list(s) for s in plan.stages]:
         notes.append(f"the predictions are for stages {[s['blocks'] for s in p.stages]} but the "
                      f"plan has stages {plan.stages} (edited by hand?): re-plan to update them")
+    warning = memory_warning(plan)
+    if warning:
+        notes.append(warning)
     return notes
+
+
+def memory_warning(plan: Plan) -> str | None:
+    """A line when the plan's most loaded device is predicted above MEMORY_RISK_FRACTION of
+    the usable memory (which already sets the allocator's fragmentation aside): the scatter of
+    that fragmentation between runs may run it out of memory."""
+    limit = plan.memory_limit_bytes
+    total = plan.predicted.memory.get("total", 0.0)
+    if not limit or total <= MEMORY_RISK_FRACTION * limit:
+        return None
+    robust = plan.solver.get("robust") or {}
+    why = (" (nothing within the robust margin of the fastest plan left more headroom)"
+           if robust.get("memory_risk") else "")
+    return (f"memory risk: the most loaded device is predicted at {fmt.pct(total / limit)} of "
+            f"the usable {fmt.nbytes(limit)}, above {fmt.pct(MEMORY_RISK_FRACTION)}: the "
+            f"allocator's fragmentation varies between runs and may run it out of memory"
+            f"{why}; give it headroom with more devices, recompute or a smaller micro-batch")
 
 
 def report_data(plan: Plan) -> dict:

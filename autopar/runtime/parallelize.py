@@ -4,6 +4,7 @@ fully_shard for data parallelism."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
@@ -118,6 +119,8 @@ def shard_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | Non
     # needs an accelerator, so it is pinned only where one exists
     offload = {"optimizer", "params"} & set(plan.offload)
     policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
+    if offload:
+        use_host_cores()
     mp = mixed_precision_policy(plan)
     present = dict(module.named_modules())
     for name in _layer_names(plan):
@@ -179,6 +182,18 @@ def mixed_precision_policy(plan: Plan):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch_dtype(p.param),
                                 reduce_dtype=torch_dtype(p.reduce))
+
+
+def use_host_cores() -> int:
+    """Give this process its share of the host's cores for the optimizer step that CPU
+    offload runs there, as the cost model prices it (the node's devices share the host):
+    torchrun starts every rank with one thread (OMP_NUM_THREADS=1). Never fewer threads than
+    the process has; returns the count."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = max(1, (os.cpu_count() or 1) // max(local, 1))
+    if share > torch.get_num_threads():
+        torch.set_num_threads(share)
+    return torch.get_num_threads()
 
 
 def _has_accelerator() -> bool:

@@ -9,10 +9,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.plan import Plan
-from autopar.runtime.parallelize import recompute_block
+from autopar.runtime.parallelize import recompute_block, use_host_cores
 from autopar.runtime.tp_styles import localize_heads as _localize_one
 
 __all__ = ["expert_parallel", "localize_heads", "present", "recompute", "replicate_experts",
+           "use_host_cores",
            "prepare_stage", "shard_experts", "single_process_mesh"]
 
 

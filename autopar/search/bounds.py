@@ -16,10 +16,12 @@ from autopar.cost.estimate import p2p_hidden_share
 from autopar.cost.hardware import Cluster
 from autopar.cost.memory import (
     MemoryBreakdown,
+    host_states,
     inflight_microbatches,
     model_state_bytes,
     offload_transfer,
     optimizer_step_time,
+    shards_master_weights,
 )
 from autopar.cost.pipeline import fill_drain_factor, lone_stage_speedup
 from autopar.cost.precision import state_bytes
@@ -49,11 +51,7 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
         return sum(len(blocks) * cached_block_cost(graph, blocks[0].index, config, cluster,
                                                    pinned).recompute_s
                    for blocks in graph.block_types().values())
-    floor = _states_floor(graph, facts, config, train)
-    if "optimizer" in config.offload:
-        floor.optimizer = 0.0
-    if "params" in config.offload:
-        floor.params = 0.0
+    floor = _offloaded_floor(graph, facts, config, train)
     held = [inflight_microbatches(config.schedule, config.pp, s, config.num_microbatches,
                                   config.virtual_stages) for s in range(config.pp)]
     if "activations" in config.offload:
@@ -206,14 +204,25 @@ def _states_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train
     for numel, replicas, trains in ((dense, config.dense_replicas, trains_dense),
                                     (experts, config.expert_replicas, trains_experts)):
         if train:
-            states = model_state_bytes(numel, replicas, config.zero_stage, param_b, grad_b,
-                                       optim_b, trains, frozen_param_bytes=precision.param_bytes)
+            zero = 3 if shards_master_weights(config) else config.zero_stage
+            states = model_state_bytes(numel, replicas, zero, param_b, grad_b, optim_b, trains,
+                                       frozen_param_bytes=precision.param_bytes)
         else:
             states = MemoryBreakdown(params=numel * precision.param_bytes)
         out.params += states.params
         out.grads += states.grads
         out.optimizer += states.optimizer
     return out
+
+
+def _offloaded_floor(graph: Graph, facts: ModelFacts, config: ParallelConfig, train: bool
+                     ) -> MemoryBreakdown:
+    """The states floor less the states the offload keeps on the host (the cost model's
+    :func:`host_states`)."""
+    floor = _states_floor(graph, facts, config, train)
+    for state in host_states(config.offload, config.engine, train):
+        setattr(floor, state, 0.0)
+    return floor
 
 
 def candidate_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
@@ -235,11 +244,7 @@ def memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
                        config: ParallelConfig, train: bool) -> float:
     """No device of this candidate needs less: the states floor (less what is offloaded) plus a
     1/pp share of the activations every block keeps even under full recompute."""
-    floor = _states_floor(graph, facts, config, train)
-    if "optimizer" in config.offload:
-        floor.optimizer = 0.0
-    if "params" in config.offload:
-        floor.params = 0.0
+    floor = _offloaded_floor(graph, facts, config, train)
     total = floor.params + floor.grads + floor.optimizer
     if train:
         lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes

@@ -9,9 +9,10 @@ memory, then the full cost model) until the next lower bound is beyond the best 
 more than the robustness margin: everything after it is provably no better. The bound and gap
 are reported; with ``time_limit_s`` the search stops early and reports the gap it proved.
 
-Robust choice: among the plans within ``ROBUST_MARGIN`` (3%) of the fastest, the planner picks
-the one whose step time suffers least if communication were 1.5x slower or overlap halved (its
-worst of the two), and records both the fastest and the choice.
+Robust choice: among the plans within ``ROBUST_MARGIN`` (3%) of the fastest, those that use at
+most ``MEMORY_RISK_FRACTION`` (95%) of the usable memory (all of them when none does), the
+planner picks the one whose step time suffers least if communication were 1.5x slower or
+overlap halved (its worst of the two), and records both the fastest and the choice.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             bound = best[1].step_time_s if best is not None else float("inf")
         if best is not None:
             found.sort(key=lambda f: (f[0], f[1]))
-            chosen_plan, robust = robust_choice(graph, cluster, task, found, best)
+            chosen_plan, robust = robust_choice(graph, cluster, task, found, best,
+                                                capacity)
             alternatives = _distinct_alternatives(found, chosen_plan[0], keep)
             gap = max(0.0, (best[1].step_time_s - bound) / best[1].step_time_s)
             result = SearchResult(chosen_plan[0], chosen_plan[1], alternatives,

@@ -1,5 +1,6 @@
 """Robust choice: how a plan's step time holds up if communication were 1.5x slower or
-overlap were halved, and which of the plans within 3% of the fastest suffers least."""
+overlap were halved, and which of the plans within 3% of the fastest suffers least; among
+those, plans that leave memory headroom come first."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from autopar.ir.graph import Graph
 ROBUST_MARGIN = 0.03  # plans this close to the fastest compete on sensitivity
 COMM_SLOWER = 1.5  # the sensitivity checks: every collective 1.5x slower ...
 OVERLAP_SCALE = 0.5  # ... or half of the overlap
+# a plan above this share of the usable memory risks running out: the caching allocator's
+# unusable share scatters over 6-10% of its pool between runs (meta-llama/llama-cookbook#120)
+# around the 8% the usable memory already sets aside, so the last 5% is within that scatter
+MEMORY_RISK_FRACTION = 0.95
 
 
 def sensitivity(graph: Graph, cluster: Cluster, config: ParallelConfig, task: str
@@ -21,25 +26,42 @@ def sensitivity(graph: Graph, cluster: Cluster, config: ParallelConfig, task: st
     return {"comm_1.5x_s": slow.step_time_s, "overlap_half_s": half.step_time_s}
 
 
+def memory_fraction(est: Estimate, capacity_bytes: float) -> float:
+    """The most loaded device's predicted bytes as a share of the usable memory."""
+    return est.memory.total / capacity_bytes if capacity_bytes > 0 else 0.0
+
+
 def robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
-                  best: tuple[ParallelConfig, Estimate]
+                  best: tuple[ParallelConfig, Estimate],
+                  capacity_bytes: float = float("inf")
                   ) -> tuple[tuple[ParallelConfig, Estimate], dict]:
-    """Among the plans within ROBUST_MARGIN of the fastest, the one whose worse step time under
+    """Among the plans within ROBUST_MARGIN of the fastest, those within MEMORY_RISK_FRACTION
+    of ``capacity_bytes`` (all of them when none is), the one whose worse step time under
     1.5x slower communication or halved overlap is smallest (then the faster one)."""
     limit = best[1].step_time_s * (1 + ROBUST_MARGIN)
     near = [f for f in found if f[0] <= limit]
+    lean = [f for f in near
+            if memory_fraction(f[3], capacity_bytes) <= MEMORY_RISK_FRACTION]
+    pool = lean or near  # nothing leaner near: the risk is taken, and the report shows it
     scored = []
-    for step, tie, config, est in near:
+    for step, tie, config, est in pool:
         checks = sensitivity(graph, cluster, config, task)
         scored.append((max(checks.values()), step, tie, config, est, checks))
     scored.sort(key=lambda r: (r[0], r[1], r[2]))
     worst, step, _, config, est, checks = scored[0]
-    fastest_checks = next(r[5] for r in scored if r[3] is best[0])
+    fastest_checks = next((r[5] for r in scored if r[3] is best[0]), None)
+    if fastest_checks is None:  # the fastest was passed over for its memory
+        fastest_checks = sensitivity(graph, cluster, best[0], task)
+    share = memory_fraction(est, capacity_bytes)
     robust = {
         "margin": ROBUST_MARGIN, "candidates": len(near),
         "fastest_step_time_s": best[1].step_time_s,
         "fastest_worst_case_s": max(fastest_checks.values()),
         "chosen_worst_case_s": worst, "checks": checks,
         "changed": config is not best[0],
+        "memory_risk_fraction": MEMORY_RISK_FRACTION,
+        "memory_fraction": share, "memory_risk": share > MEMORY_RISK_FRACTION,
+        "fastest_memory_fraction": memory_fraction(best[1], capacity_bytes),
+        "passed_over_for_memory": len(near) - len(pool),
     }
     return (config, est), robust

@@ -71,7 +71,7 @@ def serving_search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: i
                                                  reasons))
     found.sort(key=lambda f: (f[0], f[1]))
     best = (found[0][2], found[0][3])
-    chosen, robust = robust_choice(graph, cluster, "infer", found, best)
+    chosen, robust = robust_choice(graph, cluster, "infer", found, best, capacity)
     if progress:
         progress(1.0, "done")
     return SearchResult(chosen[0], chosen[1], _distinct_alternatives(found, chosen[0], keep),

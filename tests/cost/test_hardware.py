@@ -162,11 +162,11 @@ def _write_without(tmp_path: Path, section: str, key: str) -> Path:
 
 _REQUIRED = [("device", k) for k in (
     "type", "backend", "peak_flops", "tensor_core_dtypes", "compute_units", "matmul_tile",
-    "kernel_overhead_s", "memory_bytes", "usable_fraction", "memory_bandwidth", "efficiency",
-    "overlap")] + [("node", k) for k in (
+    "kernel_overhead_s", "memory_bytes", "usable_fraction", "allocator_fragmentation",
+    "memory_bandwidth", "efficiency", "overlap")] + [("node", k) for k in (
         "devices_per_node", "compute_slots", "intra_bandwidth", "intra_efficiency", "intra_latency",
         "inter_bandwidth", "inter_efficiency", "inter_latency", "collective_latency",
-        "host_bandwidth", "host_memory_bytes")]
+        "host_bandwidth", "host_memory_bytes", "host_cores", "host_memory_bandwidth")]
 
 
 @pytest.mark.parametrize("section, key", _REQUIRED)

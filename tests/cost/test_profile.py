@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,22 @@ def test_profile_loads_as_cluster(profiled) -> None:
     assert text.startswith("# Written by `autopar profile`") and "# command: pytest" in text
     assert set(yaml.safe_load(text)["collectives"]) == {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"}
+
+
+@pytest.mark.dist
+def test_profile_writes_the_host_an_offloaded_step_runs_on(profiled) -> None:
+    """The host fields the loader requires: this machine's cores and its measured DRAM
+    bandwidth (the copy rate before it is divided among the processes), and the allocator
+    headroom (none on a CPU), each with its source."""
+    data, path = profiled
+    cluster = load_cluster(path)
+    assert cluster.node.host_cores == (os.cpu_count() or 1)
+    assert cluster.node.host_memory_bandwidth >= cluster.device.memory_bandwidth > 0
+    assert cluster.device.allocator_fragmentation == 0.0
+    assert cluster.device.usable_memory_bytes == cluster.device.memory_bytes * \
+        cluster.device.usable_fraction
+    for key in ("host_cores", "host_memory_bandwidth", "allocator_fragmentation"):
+        assert data["sources"][key]
 
 
 @pytest.mark.dist
