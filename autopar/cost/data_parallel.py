@@ -210,10 +210,13 @@ def step_sync(dense: float, expert: float, config: ParallelConfig, cluster: Clus
             bucket = DDP_BUCKET_BYTES
         ddp = config.engine in ("autopar", "llama3-4d") and not per_unit
         kind = "all_reduce" if config.zero_stage == 0 or ddp else "reduce_scatter"
-        grad += _bucketed(kind, grad_b, bucket, config, axis, cluster)
-        last += axis_collective_time(kind, min(grad_b, bucket), config, axis, cluster)
+        if grad_b > 0:  # a stage of frozen weights only (fine-tuning) reduces nothing
+            grad += _bucketed(kind, grad_b, bucket, config, axis, cluster)
+            last += axis_collective_time(kind, min(grad_b, bucket), config, axis, cluster)
         if 1 <= config.zero_stage <= 2:
-            param_bucket = bucket * param_bytes / grad_bytes
+            # one gather per FSDP unit of what it holds, trained or frozen
+            param_bucket = param_b / max(units, 1) if per_unit \
+                else bucket * param_bytes / grad_bytes
             param += _bucketed("all_gather", param_b, param_bucket, config, axis, cluster)
             first += axis_collective_time("all_gather", min(param_b, param_bucket), config,
                                           axis, cluster)
