@@ -135,7 +135,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     attention_fwd_s = attention_bwd_s = 0.0
     op_s: dict[str, float] = {}  # forward seconds of each op (the GEMMs TP overlap pairs with)
     core = attention_core(graph, block) if recompute == "selective" else set()
-    tied_split = engine_features(config.engine).tied_vocab_parallel
+    # a tied table and head split together, unless the plan keeps embeddings whole
+    tied_split = engine_features(config.engine).tied_vocab_parallel and config.vocab_parallel
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
     for name in block.nodes:
