@@ -33,15 +33,24 @@ def load_rows(path: Path = ROWS) -> list[dict]:
     return yaml.safe_load(path.read_text())["rows"]
 
 
+# GPT-2's (and Megatron-LM's --hidden-dropout / --attention-dropout) default dropout: a row's
+# model spec states ``dropout`` where its source trains with another (MPT: none)
+GPT_DROPOUT = 0.1
+
+
 def model_config(spec: dict) -> dict:
     """A Hugging Face config for a row's architecture: GPT rows as GPT-2 layers with a one-kernel
-    tanh GELU (Megatron fuses bias and GELU), attention as the software that ran computed it."""
+    tanh GELU (Megatron fuses bias and GELU), attention as the software that ran computed it,
+    and the spec's ``dropout`` (default GPT-2's 0.1) on the embedding, attention and residual
+    paths (each dropout keeps a 1-byte mask per element for the backward)."""
     if spec["arch"] == "gpt":
+        dropout = float(spec.get("dropout", GPT_DROPOUT))
         return {"model_type": "gpt2", "n_embd": spec["hidden"], "n_layer": spec["layers"],
                 "n_head": spec["heads"], "n_inner": spec["ffn"], "vocab_size": spec["vocab"],
                 "n_positions": spec["seq"], "activation_function": "gelu_pytorch_tanh",
                 "tie_word_embeddings": True, "dtype": "bfloat16",
-                "attn_implementation": spec["attention"]}
+                "attn_implementation": spec["attention"], "resid_pdrop": dropout,
+                "embd_pdrop": dropout, "attn_pdrop": dropout}
     if spec["arch"] == "llama":
         return {"model_type": "llama", "attn_implementation": spec["attention"],
                 "hidden_size": spec["hidden"],
@@ -54,7 +63,7 @@ def model_config(spec: dict) -> dict:
 
 
 def shape_key(spec: dict) -> str:
-    """Rows with equal keys share one captured graph."""
+    """Rows with equal keys share one captured graph (a row's ``dropout`` is part of it)."""
     return repr(sorted(spec.items()))
 
 

@@ -41,6 +41,35 @@ def _arg_nodes(args: Iterable) -> list[fx.Node]:
     return out
 
 
+def _dropout_is_identity(node) -> bool:
+    """Whether ``aten.dropout(input, p, train)`` returns its input unchanged: ATen's
+    ``at::dropout`` (aten/src/ATen/native/Dropout.cpp) returns the input itself when ``p`` is 0
+    or ``train`` is false, so no mask is drawn or saved."""
+    args = list(node.args) + [None] * 3
+    p = node.kwargs.get("p", args[1])
+    train = node.kwargs.get("train", args[2])
+    return isinstance(p, (int, float)) and p == 0 or train is False
+
+
+def _fused_attention_layout(ops_by_name: dict[str, OpNode], src: str,
+                            out: TensorMeta) -> bool:
+    """Whether ``contiguous`` of ``src`` copies nothing: ``src`` is, through views, a fused
+    scaled-dot-product attention's (batch, heads, seq, dim) output transposed to (batch, seq,
+    heads, dim), the layout the fused kernels write it in. The efficient kernel allocates
+    (B, M, heads, K) and returns it transposed, and the flash kernel allocates its output like
+    the query, itself a transposed (batch, seq, heads, dim) projection (torch/_meta_
+    registrations.py, ``meta__scaled_dot_product_efficient_attention`` and
+    ``meta__scaled_dot_product_flash_attention``); the capture's meta tensors from the
+    composite op do not carry that layout."""
+    op = ops_by_name.get(src)
+    while op is not None and op.kind is OpKind.VIEW and op.inputs:
+        op = ops_by_name.get(op.inputs[0])
+    if op is None or op.kind is not OpKind.ATTENTION or "scaled_dot_product" not in op.target:
+        return False
+    shape = tuple(op.output_meta[0].shape)
+    return len(shape) == 4 and tuple(out.shape) == (shape[0], shape[2], shape[1], shape[3])
+
+
 def _target_name(node: fx.Node) -> str:
     """aten ops keep their full name (``aten.linear.default``); Python callables and methods
     from fx.symbolic_trace become ``torch.<name>`` so both share one vocabulary."""
@@ -108,6 +137,7 @@ def fx_graph_to_ir(
     parameter, so ``linear(x, w.t())`` is a linear with parameter ``w``.
     """
     derived: dict[str, list[str]] = {k: [v] for k, v in param_of_placeholder.items()}
+    ops_by_name: dict[str, OpNode] = {}
     stateful = set(param_of_placeholder) | set(buffer_of_placeholder)
     inputs: list[GraphInput] = []
     ops: list[OpNode] = []
@@ -142,16 +172,22 @@ def fx_graph_to_ir(
         kind = base_kind(target, has_param_operand=bool(used_params))
         if name in ("to", "_to_copy") and ins and ins[0] == outs[0]:
             kind = OpKind.VIEW  # a cast to the same dtype is a no-op
+        if name in ("dropout", "feature_dropout") and _dropout_is_identity(node):
+            kind = OpKind.VIEW  # ATen's dropout returns its input at p = 0: no mask is kept
+        if name == "contiguous" and args and _fused_attention_layout(ops_by_name, args[0].name,
+                                                                     outs[0]):
+            kind = OpKind.VIEW  # the fused kernel's output is already laid out this way
         path, module_type = _module_info(node)
         kind = refine_kind(kind, name, path, module_type, moe)
         if kind is OpKind.VIEW and used_params and len(args) == 1:
             derived[node.name] = used_params  # w.t(), w.view(...) is still w
         rd, wr = op_bytes(kind, ins, outs, target)
-        ops.append(OpNode(
+        ops_by_name[node.name] = OpNode(
             name=node.name, target=target, kind=kind,
             inputs=[a.name for a in args if a.name not in stateful],
             input_meta=ins, output_meta=outs, flops=op_flops(target, kind, ins, outs),
             bytes_read=rd, bytes_written=wr, params=used_params,
             module_path=path, module_type=module_type,
-        ))
+        )
+        ops.append(ops_by_name[node.name])
     return Graph(ops, inputs, params, buffers, outputs, source, model_config)

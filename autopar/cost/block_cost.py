@@ -23,11 +23,18 @@ from autopar.cost.engines import (
     UB_PIPELINE_SMS,
     UB_PIPELINE_SPLITS,
     UB_RING_SMS,
+    engine_features,
     sm_share_slowdown,
 )
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
-from autopar.cost.tp_layout import attention_core, cache_split, tp_layout, vocab_parallel
+from autopar.cost.tp_layout import (
+    attention_core,
+    cache_split,
+    tied_head,
+    tp_layout,
+    vocab_parallel,
+)
 from autopar.ir.graph import Block, Graph, OpKind, dtype_bytes
 from autopar.peft import is_prefix_param
 
@@ -128,6 +135,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     attention_fwd_s = attention_bwd_s = 0.0
     op_s: dict[str, float] = {}  # forward seconds of each op (the GEMMs TP overlap pairs with)
     core = attention_core(graph, block) if recompute == "selective" else set()
+    # a tied table and head split together, unless the plan keeps embeddings whole
+    tied_split = engine_features(config.engine).tied_vocab_parallel and config.vocab_parallel
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
     for name in block.nodes:
@@ -137,12 +146,14 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             expert_param_names.update(op.params)
         elif name in layout.kv:  # one kv head of kv per rank; the weights stay whole
             divisor = float(layout.kv[name])
-        elif name in layout.column or name in layout.row or name in layout.sharded or sp:
+        elif name in layout.column or name in layout.row or name in layout.sharded or sp or \
+                tied_head(graph, name, tp, tied_split):
             divisor = float(tp)
         else:
             divisor = 1.0
         if name in layout.column or name in layout.row or vocab_parallel(
-                graph, name, tp, config.vocab_parallel) or (
+                graph, name, tp, config.vocab_parallel, tied_split) or tied_head(
+                graph, name, tp, tied_split) or (
                 name in layout.sharded and any(is_prefix_param(p) for p in op.params)):
             tp_param_names.update(op.params)
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
@@ -167,8 +178,9 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     if tp > 1:
         kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         fwd_bytes = [graph.op(n).output_bytes * byte_scale for n in layout.row]
+        heads = [n for n in block.nodes if tied_head(graph, n, tp, tied_split)]
         col_inputs = {graph.op(n).inputs[0]: graph.op(n).input_meta[0].nbytes
-                      for n in [*layout.column, *layout.kv] if graph.op(n).inputs}
+                      for n in [*layout.column, *layout.kv, *heads] if graph.op(n).inputs}
         bwd_bytes = [b * byte_scale for b in col_inputs.values()]
         per = [sum(axis_collective_time(k, b, config, "tp", cluster) for k in kinds)
                for b in fwd_bytes + bwd_bytes]
@@ -275,7 +287,7 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
            config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
-           config.vocab_parallel)
+           config.vocab_parallel, engine_features(config.engine).tied_vocab_parallel)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)

@@ -10,10 +10,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 OFFLOADS = ("optimizer", "params", "activations")
 # whose collectives the estimate prices: autopar's runtime (FSDP2 / DDP / DTensor / pipelining)
 # or, for comparison with published runs and for exporting plans, Megatron-LM's (2021, no
-# overlap), Megatron-Core's (its overlap options on), DeepSpeed's, or Llama 3's 4D setup (FSDP
-# that keeps parameters gathered through the step, TP, PP); what each issues and overlaps is
-# autopar.cost.engines.ENGINE_FEATURES
-ENGINES = ("autopar", "megatron", "megatron-core", "deepspeed", "llama3-4d")
+# overlap), Megatron-Core's (its overlap options on), DeepSpeed's, Llama 3's 4D setup (FSDP
+# that keeps parameters gathered through the step, TP, PP), or llm-foundry's (Composer on
+# PyTorch FSDP1, MPT's fused cross-entropy); what each issues, overlaps and keeps for its loss
+# is autopar.cost.engines.ENGINE_FEATURES
+ENGINES = ("autopar", "megatron", "megatron-core", "deepspeed", "llama3-4d", "llm-foundry")
 # how context parallelism exchanges attention's keys and values across the cp ranks (see
 # autopar.cost.context_parallel): ring passes K/V around the ring, alltoall (DeepSpeed-Ulysses)
 # re-shards q, k, v and the output from sequence to heads, hybrid is all-to-all inside a node

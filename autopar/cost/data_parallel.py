@@ -58,6 +58,7 @@ from autopar.cost.comm import axis_collective_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.engines import (
     MEGATRON_ENGINES,
+    TORCH_FSDP_ENGINES,
     engine_features,
     grads_accumulate_unsharded,
     zero2_per_microbatch,
@@ -142,16 +143,19 @@ def block_traffic(dense: float, expert: float, tensors: int, config: ParallelCon
     gather = reduce = gather_copy = reduce_copy = 0.0
     trainable = {"dense_dp": dense if trainable_dense is None else trainable_dense,
                  "expert_dp": expert if trainable_expert is None else trainable_expert}
-    copies = engine_features(config.engine).fsdp_copies
+    features = engine_features(config.engine)
     for numel, axis in ((dense, "dense_dp"), (expert, "expert_dp")):
         if numel <= 0:
             continue
         param_b = numel * param_bytes
         grad_b = trainable[axis] * grad_bytes
-        if copies:
+        if features.fsdp_copies:
             # copy-out: the gathered block into its parameters; copy-in: the gradients (in
             # the parameter dtype, as autograd made them) into the reduce dtype's buffer
             gather_copy += copy_time(param_b, param_b, cluster.device)
+            reduce_copy += copy_time(trainable[axis] * param_bytes, grad_b, cluster.device)
+        elif features.reduce_cast and grad_bytes != param_bytes:
+            # FSDP1's flat gradient cast to the reduce dtype (engines.py, llm-foundry)
             reduce_copy += copy_time(trainable[axis] * param_bytes, grad_b, cluster.device)
         if config.engine == "deepspeed":
             count = max(tensors, 1)
@@ -208,7 +212,7 @@ def step_sync(dense: float, expert: float, config: ParallelConfig, cluster: Clus
             bucket = DEEPSPEED_BUCKET_ELEMENTS * grad_bytes
         else:
             bucket = DDP_BUCKET_BYTES
-        ddp = config.engine in ("autopar", "llama3-4d") and not per_unit
+        ddp = config.engine in TORCH_FSDP_ENGINES and not per_unit
         kind = "all_reduce" if config.zero_stage == 0 or ddp else "reduce_scatter"
         if grad_b > 0:  # a stage of frozen weights only (fine-tuning) reduces nothing
             grad += _bucketed(kind, grad_b, bucket, config, axis, cluster)

@@ -31,6 +31,44 @@ and the data-parallel step (:mod:`autopar.cost.data_parallel`).
   and is priced the same way (:func:`fsdp_under_pipeline`); ``llama3-4d`` differs in what it
   may combine (sequence parallelism inside pipeline stages, which autopar's runtime does not
   run). The tensor-parallel collectives are PyTorch's (no userbuffers).
+- ``llm-foundry``: MosaicML's llm-foundry on Composer, which wraps the model in PyTorch FSDP1
+  (``FullyShardedDataParallel``, flat parameters): a block's flat parameter is all-gathered
+  straight into the unsharded flat buffer its parameters are views of (no FSDP2 copy-out), and
+  its flat gradient is reduce-scattered as one contiguous tensor; Composer syncs every
+  micro-batch under FSDP (``composer/trainer/dist_strategy.py``, ``ddp_sync_context``: no
+  ``no_sync`` unless the model is DistributedDataParallel), so FULL_SHARD (ZeRO-3) and
+  SHARD_GRAD_OP (ZeRO-2) gather and reduce-scatter per micro-batch as FSDP2 does. Where the
+  reduce dtype differs from the parameter dtype (Composer's mixed precision DEFAULT: fp32
+  reductions), FSDP1 casts the flat gradient to it before the reduce-scatter
+  (``torch/distributed/fsdp/_runtime_utils.py``, ``_post_backward_hook``): a copy on the
+  compute stream (``reduce_cast``); PURE reduces in bf16 and copies nothing. No pipeline
+  schedule (Composer has none).
+
+The Megatron engines (``megatron``, ``megatron-core``, and ``deepspeed``, which runs
+Megatron-DeepSpeed's model code) split a tied embedding and LM head by vocabulary over the tp
+ranks (``tied_vocab_parallel``): ``VocabParallelEmbedding`` holds the rank's rows of the table
+and ``parallel_lm_logits`` multiplies by that same shard (the last pipeline stage keeps its
+own copy of it, ``initialize_word_embeddings``); autopar's runtime keeps a tied table whole.
+
+The loss's memory (``loss``, bytes per logit element held at the loss's peak, besides the
+activations) is the engine's too, as its source computes the cross-entropy:
+
+- ``"fp32-copy"`` (``autopar``, ``llama3-4d``): an eager loss on the logits cast to fp32
+  (autopar's ``runtime/loss.py``, ``logits.float()``; torchtitan's ``cross_entropy_loss``,
+  ``pred.flatten(0, 1).float()``): the fp32 copy and its fp32 gradient, 8 bytes.
+- ``"fp32-inplace"`` (``megatron``, ``megatron-core``, ``deepspeed``): Megatron's
+  vocab-parallel cross-entropy casts its logits shard to fp32 (Megatron-LM 2021,
+  ``output.float()`` unless ``--fp16-lm-cross-entropy``; Megatron-Core's
+  ``VocabParallelCrossEntropy.calculate_logits_max``, fused or not,
+  ``megatron/core/fusions/fused_cross_entropy.py``), turns it into the softmax in place, saves
+  it, writes the gradient into it in the backward and casts that to the logits' dtype: 4 bytes
+  plus one compute-dtype copy. Megatron-DeepSpeed runs Megatron-LM's loss.
+- ``"fused"`` (``llm-foundry``): MPT's default ``loss_fn: fused_crossentropy`` is flash-attn's
+  ``CrossEntropyLoss`` (``llmfoundry/models/mpt/modeling_mpt.py``), a Triton kernel that reads
+  the logits in their dtype and, with ``inplace_backward=False`` (llm-foundry does not set
+  it), writes their gradient into a new tensor of the same dtype
+  (``flash_attn/ops/triton/cross_entropy.py``: ``torch.empty_like(logits)``): two
+  compute-dtype copies.
 """
 
 from __future__ import annotations
@@ -53,6 +91,18 @@ class EngineFeatures:
     p2p_overlap_1f1b: bool  # pipeline sends beside compute on non-interleaved schedules
     fsdp_copies: bool  # FSDP2's all-gather copy-out and reduce-scatter copy-in on compute
     fp32_param_master: bool  # the fp32 parameter is the master (no separate master copy)
+    loss: str = "fp32-copy"  # how the loss holds the logits (LOSS_KINDS)
+    reduce_cast: bool = False  # without FSDP2's copies: gradients cast to a wider reduce dtype
+    tied_vocab_parallel: bool = False  # a tied embedding and LM head share one vocab shard
+
+
+# bytes per logit element the loss holds at its peak, given the compute dtype's bytes (see
+# the module docstring for each engine's source)
+LOSS_KINDS = {
+    "fp32-copy": lambda compute_bytes: 4 + 4,
+    "fp32-inplace": lambda compute_bytes: 4 + compute_bytes,
+    "fused": lambda compute_bytes: 2 * compute_bytes,
+}
 
 
 ENGINE_FEATURES = {
@@ -62,18 +112,27 @@ ENGINE_FEATURES = {
     "megatron": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=False,
                                param_gather_overlap=False, zero2_per_microbatch=False,
                                p2p_overlap_1f1b=False, fsdp_copies=False,
-                               fp32_param_master=False),
+                               fp32_param_master=False, loss="fp32-inplace",
+                               tied_vocab_parallel=True),
     "megatron-core": EngineFeatures(tp_comm_overlap=True, grad_reduce_overlap=True,
                                     param_gather_overlap=True, zero2_per_microbatch=False,
                                     p2p_overlap_1f1b=False, fsdp_copies=False,
-                                    fp32_param_master=False),
+                                    fp32_param_master=False, loss="fp32-inplace",
+                                    tied_vocab_parallel=True),
     "deepspeed": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=False,
                                 param_gather_overlap=False, zero2_per_microbatch=False,
                                 p2p_overlap_1f1b=True, fsdp_copies=False,
-                                fp32_param_master=False),
+                                fp32_param_master=False, loss="fp32-inplace",
+                                tied_vocab_parallel=True),
     "llama3-4d": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=True,
                                 param_gather_overlap=False, zero2_per_microbatch=True,
                                 p2p_overlap_1f1b=True, fsdp_copies=True, fp32_param_master=True),
+    # FSDP1's flat parameters: no copy-out or copy-in (module docstring); fp32 sharded flat
+    # parameters are the master (FSDP1's MixedPrecision casts the gathered copy)
+    "llm-foundry": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=True,
+                                  param_gather_overlap=False, zero2_per_microbatch=True,
+                                  p2p_overlap_1f1b=True, fsdp_copies=False,
+                                  fp32_param_master=True, loss="fused", reduce_cast=True),
 }
 
 # Megatron-LM and Megatron-Core: pipeline chunks stated as layers per virtual stage
@@ -98,6 +157,15 @@ def engine_features(engine: str) -> EngineFeatures:
 
 # the engines that run PyTorch's FSDP2 (fully_shard) and its pipeline schedules
 FSDP_ENGINES = ("autopar", "llama3-4d")
+# the engines whose ZeRO is PyTorch FSDP (FSDP2 or FSDP1): ZeRO-2 keeps the fp32 master
+# parameters sharded, and ZeRO-0/1 is PyTorch DDP
+TORCH_FSDP_ENGINES = (*FSDP_ENGINES, "llm-foundry")
+
+
+def loss_bytes_per_logit(engine: str, compute_bytes: int) -> float:
+    """Bytes per logit element ``engine``'s loss holds at its peak (the logits and their
+    gradient as its cross-entropy keeps them), for logits in a ``compute_bytes`` dtype."""
+    return float(LOSS_KINDS[engine_features(engine).loss](compute_bytes))
 
 
 def fsdp_under_pipeline(config: ParallelConfig) -> bool:

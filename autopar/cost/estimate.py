@@ -28,6 +28,7 @@ from autopar.cost.engines import (
     engine_features,
     fsdp_under_pipeline,
     grads_accumulate_unsharded,
+    loss_bytes_per_logit,
     tp_lane,
     zero2_per_microbatch,
 )
@@ -221,12 +222,15 @@ def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stag
         mem.buffers += 2 * largest * precision.param_bytes  # gathered block + prefetch
     elif train and config.dense_replicas > 1 and zero <= 1:
         mem.buffers += 2 * DDP_BUCKET_BYTES  # two gradient buckets in flight
-    if end == len(graph.blocks):  # logits in fp32 and their gradient for the loss
+    if end == len(graph.blocks):  # the logits as the engine's loss holds them
         out = sum(graph.op(n).output_bytes for n in graph.outputs if graph.has_op(n))
-        logits = out * config.microbatch_size / captured_batch(graph) * (
-            4 / captured_float_bytes(graph)) / (config.tp * config.cp)
-        # a serving prefill keeps only the last position's logits (no gradient)
-        mem.buffers += 2 * logits if train else logits / captured_seq(graph)
+        elements = out * config.microbatch_size / captured_batch(graph) / (
+            captured_float_bytes(graph) * config.tp * config.cp)
+        if train:
+            mem.buffers += elements * loss_bytes_per_logit(config.engine,
+                                                           precision.activation_bytes)
+        else:  # a serving prefill keeps only the last position's logits, in fp32
+            mem.buffers += elements * 4 / captured_seq(graph)
     return costs, mem, host_bytes, offload_s
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from autopar.cost.engines import FSDP_ENGINES
+from autopar.cost.engines import TORCH_FSDP_ENGINES
 from autopar.cost.precision import state_bytes
 
 if TYPE_CHECKING:
@@ -76,8 +76,9 @@ def shards_master_weights(config: ParallelConfig) -> bool:
     runtime runs ZeRO-2 as fully_shard without resharding after the forward, so the fp32
     master parameters stay sharded and only the gathered compute copy is whole (from the
     forward to the end of the backward); DeepSpeed's and Megatron-LM's ZeRO-2 keep whole
-    parameters. Llama 3's 4D setup is the same FSDP."""
-    return config.engine in FSDP_ENGINES and config.zero_stage == 2
+    parameters. Llama 3's 4D setup is the same FSDP, and llm-foundry's FSDP1 SHARD_GRAD_OP
+    keeps its fp32 flat parameters sharded too."""
+    return config.engine in TORCH_FSDP_ENGINES and config.zero_stage == 2
 
 
 def inflight_microbatches(schedule: str, pp: int, stage: int, num_microbatches: int,

@@ -77,16 +77,30 @@ def tied(graph: Graph, param: str) -> bool:
     return bool(info is not None and info.aliases)
 
 
-def vocab_parallel(graph: Graph, op_name: str, tp: int, enabled: bool = True) -> bool:
+def vocab_parallel(graph: Graph, op_name: str, tp: int, enabled: bool = True,
+                   tied_split: bool = False) -> bool:
     """Whether an embedding lookup splits its table over ``tp`` ranks (vocabulary parallel):
     only when the rows divide evenly, and unless the plan keeps embeddings whole
-    (``enabled=False``, MindFormers' ``vocab_emb_dp``); otherwise it stays replicated."""
+    (``enabled=False``, MindFormers' ``vocab_emb_dp``); otherwise it stays replicated. A table
+    tied to the LM head stays whole unless ``tied_split`` (an engine whose embedding and head
+    share one vocabulary shard, :func:`tied_head`)."""
     op = graph.op(op_name)
     if not enabled or op.kind is not OpKind.EMBEDDING or tp <= 1 or not op.params or \
-            tied(graph, op.params[0]):
+            (tied(graph, op.params[0]) and not tied_split):
         return False
     shape = graph.params[op.params[0]].shape if op.params[0] in graph.params else ()
     return bool(shape) and shape[0] % tp == 0
+
+
+def tied_head(graph: Graph, op_name: str, tp: int, tied_split: bool) -> bool:
+    """Whether a linear reading a tied embedding table (the LM head) computes its vocabulary
+    shard on each of ``tp`` ranks: on engines that split the tied table (Megatron-LM's
+    ``parallel_lm_logits`` multiplies by the rank's ``VocabParallelEmbedding`` shard, and with
+    pipeline stages the last stage holds its own copy of that shard,
+    ``initialize_word_embeddings``), with the input gradient all-reduced in the backward."""
+    op = graph.op(op_name)
+    return (tied_split and tp > 1 and op.kind is OpKind.LINEAR and bool(op.params)
+            and any(tied(graph, p) for p in op.params))
 
 
 def cache_split(graph: Graph, block: Block, layout: TPLayout, tp: int) -> int:

@@ -53,7 +53,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             num_microbatches: int = 0, kv_replicated: bool = False
                             ) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
-    another engine (megatron, megatron-core, deepspeed, llama3-4d) are exported, not run: they
+    another engine (megatron, megatron-core, deepspeed, llama3-4d, llm-foundry) are exported, not run: they
     are restricted only to what that engine offers."""
     if engine == "megatron" and zero_stage >= 2:
         return ("ZeRO-2/3 on Megatron-LM (its distributed optimizer shards optimizer states "
@@ -62,6 +62,11 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return "offload on Megatron-LM"
     if engine == "llama3-4d" and offload:
         return "offload in Llama 3's 4D setup (it keeps every state on the device)"
+    if engine == "llm-foundry" and pp > 1:
+        return "pipeline parallelism on llm-foundry (Composer has no pipeline schedule: pp=1)"
+    if engine == "llm-foundry" and offload:
+        return ("offload on llm-foundry (FSDP1's CPUOffload is not priced: constraints "
+                "offload=none)")
     if engine != "autopar":
         return None
     replicas = dp * ep

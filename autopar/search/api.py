@@ -7,6 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from autopar.cost.config import ENGINES
+from autopar.cost.engines import engine_features
 from autopar.cost.hardware import Cluster, load_cluster
 from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import vocab_parallel
@@ -227,8 +228,10 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
     shape = _shape(graph)
     if shape:  # what other engines' files state: Megatron's shape flags, MindFormers' model
         model["shape"] = shape
+    tied_split = engine_features(config.engine).tied_vocab_parallel
     model["vocab_parallel"] = any(vocab_parallel(graph, op.name, config.tp,
-                                                 config.vocab_parallel) for op in graph.ops)
+                                                 config.vocab_parallel, tied_split)
+                                  for op in graph.ops)
     solver = {
         "method": "per-block-type tensor-parallel sharding by CP-SAT; mesh, batching, ZeRO, "
                   "schedule and offload by exhaustive search with lower-bound pruning; "

@@ -8,8 +8,8 @@ microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
 ("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
-(autopar | megatron | megatron-core | deepspeed | llama3-4d: whose collectives the prediction
-prices and how they overlap, autopar.cost.engines), vocab_parallel
+(autopar | megatron | megatron-core | deepspeed | llama3-4d | llm-foundry: whose collectives the
+prediction prices, how they overlap and what the loss keeps, autopar.cost.engines), vocab_parallel
 (bool: false keeps embedding tables whole on every tp rank), model (the shape the pins were
 written for: hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, vocab_size,
 seq_length; a model of another shape is refused).

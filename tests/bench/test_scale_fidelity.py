@@ -143,3 +143,34 @@ def test_the_report_names_what_is_not_expressible_and_judges_each_source(monkeyp
     assert "| nemo-h100 | 1 | 0 | 1 | - | - | 0/0 | IN-SAMPLE | cost_models/h100-80g.yaml:7 |" in out
     assert "in-sample (sources a catalog line cites): 1 rows (0 priced, 1 not expressible)" in out
     assert "H100, held-out: 0 rows" in out
+
+
+def test_a_row_states_its_dropout_and_a_model_without_one_keeps_no_masks():
+    """GPT rows default to GPT-2's (and Megatron-LM's) dropout 0.1; a row whose source trains
+    without dropout (MPT) says so, is captured apart, and keeps no 1-byte masks."""
+    from autopar.cost.activations import block_activation_bytes
+
+    plain = dict(TINY, dropout=0.0)
+    assert fidelity_rows.shape_key(plain) != fidelity_rows.shape_key(TINY)
+    assert fidelity_rows.model_config(TINY)["resid_pdrop"] == fidelity_rows.GPT_DROPOUT
+    with_masks, without = (fidelity_rows.graph_of(spec) for spec in (TINY, plain))
+    kept = [block_activation_bytes(g, g.layer_blocks[0]).stored_bytes
+            for g in (with_masks, without)]
+    seq_hidden = TINY["seq"] * TINY["hidden"]  # one 1-byte mask after attention, one after MLP
+    assert kept[0] - kept[1] == pytest.approx(2 * seq_hidden)
+    for row in fidelity_rows.load_rows():
+        if row["source_key"] == "llm-foundry":
+            assert row["model"]["dropout"] == 0.0 and row["pins"]["engine"] == "llm-foundry"
+
+
+def test_llm_foundrys_mpt_1b_at_10_sequences_per_a100_40g_fits():
+    """A published configuration that ran (MPT-1B, seq 2048, 10 sequences per A100-40G, no
+    activation checkpointing, FULL_SHARD on 128 GPUs) is priced inside the usable memory on the
+    engine it ran on, and over it with autopar's own eager fp32 loss."""
+    row = next(r for r in fidelity_rows.load_rows()
+               if r["id"] == "llmfoundry_a100_40g_mpt_1b_128gpu_s2048")
+    res = fidelity_rows.predict(row, free=False)
+    assert res["status"] == "priced" and "over_memory" not in res, res.get("over_memory")
+    eager = fidelity_rows.predict({**row, "pins": {**row["pins"], "engine": "autopar"}},
+                                  free=False)
+    assert "over_memory" in eager

@@ -79,10 +79,12 @@ def test_a_mesh_that_fills_memory_competes_with_its_lean_partition(plans) -> Non
 
 
 def test_robust_choice_passes_over_plans_without_memory_headroom(graphs) -> None:
-    """Llama-3-8B on 16 devices, 256 sequences: plans within 3% of the fastest use up to ~99%
-    of the memory; the search takes one within 95% of it instead, and says so."""
-    plan = autopar.plan(graphs["llama3-8b"], devices=16, global_batch=256)
-    assert not plan.offload  # the host's AdamW step (about 1 s for 0.5e9 params) is priced
+    """Llama-3-8B on 8 devices, 256 sequences: plans within 3% of the fastest use up to ~99%
+    of the memory; the search takes one within 95% of it instead, and says so. (On 16 devices
+    the fastest plans now keep headroom: the fused attention's output is no longer counted
+    twice, so that setting no longer exercises the choice.)"""
+    plan = autopar.plan(graphs["llama3-8b"], devices=8, global_batch=256)
+    assert not plan.offload  # the host's AdamW step (about 2 s for 1e9 params) is priced
     robust = plan.solver["robust"]
     assert robust["passed_over_for_memory"] > 0 and not robust["memory_risk"]
     assert plan.predicted.memory["total"] <= MEMORY_RISK_FRACTION * plan.memory_limit_bytes
