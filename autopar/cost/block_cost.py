@@ -14,7 +14,7 @@ from autopar.cost.comm import (
     pipelined_wall,
     ring_exchange_wall,
 )
-from autopar.cost.compute import op_backward_time, op_time
+from autopar.cost.compute import fp8_cast_seconds, kernel_dtype, op_backward_time, op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
@@ -160,6 +160,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             attention_bwd_s += t_bwd
         if name in core:
             core_s += t
+    if precision.compute == "fp8":
+        cast_fwd, cast_bwd = fp8_cast_time(graph, block, layout, tp, flop_scale, cluster)
+        fwd += cast_fwd
+        bwd += cast_bwd
     recompute_s = fwd if recompute == "full" else core_s
     # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
     # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
@@ -222,6 +226,28 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                      forward_peak_bytes(graph, block, tp, byte_scale, config.tp_layouts,
                                         captured_seq(graph)),
                      cp_comm.fwd_exposed_s, cp_comm.bwd_exposed_s, overlap_fwd, overlap_bwd)
+
+
+def fp8_cast_time(graph: Graph, block: Block, layout, tp: int, flop_scale: float,
+                  cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's FP8 casts in a block: each distinct
+    input of an FP8 linear once in the forward, each FP8 linear's output gradient once in the
+    backward, at the size one tp rank holds (a column-parallel linear reads its whole input and
+    writes 1/tp of its output; a row-parallel one the reverse). The weights' casts are left
+    out: Transformer Engine keeps the FP8 weights across a step's micro-batches
+    (``is_first_microbatch``), so they cost 4 bytes per parameter once a step."""
+    device = cluster.device
+    inputs: dict[str, float] = {}
+    backward = 0.0
+    for name in block.nodes:
+        op = graph.op(name)
+        if kernel_dtype(op, "fp8") != "fp8" or not op.input_meta or not op.output_meta:
+            continue
+        into = op.input_meta[0].numel * flop_scale / (tp if name in layout.row else 1)
+        out = op.output_meta[0].numel * flop_scale / (tp if name in layout.column else 1)
+        inputs[op.inputs[0] if op.inputs else name] = into
+        backward += fp8_cast_seconds(device, out)
+    return sum(fp8_cast_seconds(device, n) for n in inputs.values()), backward
 
 
 def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale: float,

@@ -44,11 +44,21 @@ class Efficiency:
     # keys per query tile whose time a fused attention kernel spends outside its inner loop
     # (loading Q, normalising and storing O): the rate at s keys is s / (s + this) of the peak
     attention_ramp_tokens: float | None = None
+    # best-shape fp8 GEMM rate / fp8 peak (cuBLAS FP8 kernels reach a smaller share of their
+    # doubled peak than bf16 ones of theirs); None: ``matmul`` (a profile whose peak_flops are
+    # measured per dtype)
+    matmul_fp8: float | None = None
 
     @property
     def sustained(self) -> float:
         """The factor on Tensor-Core rates for work that runs as long as a training step."""
         return 1.0 if self.sustained_clock is None else self.sustained_clock
+
+    def matmul_for(self, dtype: str) -> float:
+        """The best-shape GEMM efficiency of ``dtype`` (short name)."""
+        if dtype == "fp8" and self.matmul_fp8 is not None:
+            return self.matmul_fp8
+        return self.matmul
 
     def matmul_at(self, flops: float) -> float | None:
         """The measured efficiency of a matmul call of ``flops`` FLOPs (None: no classes)."""
@@ -257,13 +267,13 @@ def _flop_classes(d: dict, where: str) -> tuple[tuple[float, float], ...]:
 
 
 _REFINEMENTS = ("sustained_clock", "attention_forward", "attention_backward",
-                "attention_ramp_tokens")
+                "attention_ramp_tokens", "matmul_fp8")
 
 
 def _refinements(d: dict) -> dict:
     """The optional efficiency refinements a catalog states (see :class:`Efficiency`)."""
     values = {key: float(d[key]) for key in _REFINEMENTS if d.get(key) is not None}
-    for key in ("sustained_clock", "attention_forward", "attention_backward"):
+    for key in ("sustained_clock", "attention_forward", "attention_backward", "matmul_fp8"):
         if key in values and not 0 < values[key] <= 1:
             raise ValueError(f"efficiency.{key} must lie in (0, 1]")
     if values.get("attention_ramp_tokens", 0.0) < 0:
