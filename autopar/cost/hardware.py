@@ -153,6 +153,16 @@ class NodeSpec:
     # achieve together (all sockets), which an offloaded optimizer step runs on
     host_cores: int
     host_memory_bandwidth: float
+    # NCCL's cap on the LL protocol's bus bandwidth (``llMaxBws`` in src/graph/tuning.cc), for
+    # one node, two nodes and three or more: per GPU generation inside a node, per host CPU
+    # vendor across nodes. Empty: no cap (backends without NCCL's protocols)
+    ll_max_bandwidth: tuple[float, ...] = ()
+
+    def ll_cap(self, nodes: int) -> float:
+        """NCCL's LL bus-bandwidth cap for a group spanning ``nodes`` nodes (inf: none)."""
+        if not self.ll_max_bandwidth:
+            return float("inf")
+        return self.ll_max_bandwidth[min(max(nodes, 1), 3) - 1]
 
 
 @dataclass(frozen=True)
@@ -322,7 +332,13 @@ def parse_cluster(data: dict, where: str) -> Cluster:
         values = _numbers(node, NodeSpec, where, "node")
         node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"]),
                                  "compute_slots": int(values["compute_slots"]),
-                                 "host_cores": int(values["host_cores"])})
+                                 "host_cores": int(values["host_cores"])},
+                             ll_max_bandwidth=tuple(float(v) for v in
+                                                    node.get("ll_max_bandwidth") or ()))
+        if node_spec.ll_max_bandwidth and (len(node_spec.ll_max_bandwidth) != 3 or min(
+                node_spec.ll_max_bandwidth) <= 0):
+            raise ValueError("node.ll_max_bandwidth must be [one node, two nodes, three or "
+                             "more] in bytes/s")
         if not 1 <= node_spec.compute_slots <= node_spec.devices_per_node:
             raise ValueError("node.compute_slots must lie in 1..devices_per_node")
         if node_spec.host_cores < 1 or node_spec.host_memory_bandwidth <= 0:
