@@ -19,12 +19,14 @@ from autopar.cost.config import ParallelConfig
 from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
 from autopar.cost.engines import (
+    FUSED_KERNEL_ENGINES,
     UB_BULK_SMS,
     UB_PIPELINE_SMS,
     UB_PIPELINE_SPLITS,
     UB_RING_SMS,
     sm_share_slowdown,
 )
+from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import attention_core, cache_split, tp_layout, vocab_parallel
@@ -130,6 +132,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     core = attention_core(graph, block) if recompute == "selective" else set()
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
+    # a fusing engine runs each region of memory-bound ops as one kernel (cost.fused_regions)
+    regions = fused_regions(graph, block) if config.engine in FUSED_KERNEL_ENGINES else []
+    fused = {n for region in regions for n in region}
+    region_divisor: dict[str, float] = {}
     for name in block.nodes:
         op = graph.op(name)
         if op.kind is OpKind.MOE_EXPERT:
@@ -145,6 +151,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                 graph, name, tp, config.vocab_parallel) or (
                 name in layout.sharded and any(is_prefix_param(p) for p in op.params)):
             tp_param_names.update(op.params)
+        if name in fused:
+            region_divisor.setdefault(name, divisor)
+            op_s[name] = 0.0
+            continue
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         op_s[name] = t
         fwd += t
@@ -160,6 +170,12 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             attention_bwd_s += t_bwd
         if name in core:
             core_s += t
+    for region in regions:
+        divisor = max(region_divisor.get(n, 1.0) for n in region)
+        region_fwd, region_bwd = fused_region_seconds(graph, block, region, device, byte_scale,
+                                                      divisor)
+        fwd += region_fwd
+        bwd += region_bwd
     if precision.compute == "fp8":
         cast_fwd, cast_bwd = fp8_cast_time(graph, block, layout, tp, flop_scale, cluster)
         fwd += cast_fwd

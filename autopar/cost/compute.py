@@ -192,6 +192,12 @@ def _issue(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> float:
     return kernels * max(per, device.dispatch_overhead_s)
 
 
+def kernel_seconds(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> float:
+    """Seconds ``kernels`` launches of ``kernel_s`` device time in all take (see ``_issue``):
+    for pricing kernels the graph does not hold one op each (fused regions, casts)."""
+    return _issue(device, kernel_s, kernels)
+
+
 def _fused_attention_seconds(op: OpNode, device: DeviceSpec, peak: float, flops: float,
                              memory_time: float, backward: bool) -> float:
     _, s_k, causal = attention_shape(op)
