@@ -317,7 +317,7 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
            config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
-           config.vocab_parallel)
+           config.vocab_parallel, config.engine in FUSED_KERNEL_ENGINES)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)

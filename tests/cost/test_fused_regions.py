@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 import autopar
-from autopar.cost.block_cost import block_cost, resolve_precision
+from autopar.cost.block_cost import block_cost, cached_block_cost, resolve_precision
 from autopar.cost.config import ParallelConfig
 from autopar.cost.fused_regions import fused_regions, region_bytes
 from autopar.cost.hardware import load_cluster
@@ -68,3 +68,12 @@ def test_a_decomposed_tanh_gelu_is_one_region(gpt2) -> None:
     ins, outs = region_bytes(gpt2, block, regions[0])
     act_in = gpt2.op(regions[0][0]).input_meta[0].nbytes
     assert ins == act_in and outs == pytest.approx(act_in)  # reads x once, writes gelu(x)
+
+
+def test_the_block_cost_cache_keeps_engines_apart(llama) -> None:
+    """One process plans the same block under both engines: each gets its own price."""
+    cluster = load_cluster("h100-80g")
+    base = ParallelConfig(engine="megatron")
+    eager = cached_block_cost(llama, 1, base, cluster, "none")
+    fused = cached_block_cost(llama, 1, replace(base, engine="megatron-core"), cluster, "none")
+    assert fused.fwd_s < eager.fwd_s
