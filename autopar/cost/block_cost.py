@@ -14,11 +14,12 @@ from autopar.cost.comm import (
     pipelined_wall,
     ring_exchange_wall,
 )
-from autopar.cost.compute import op_backward_time, op_time
+from autopar.cost.compute import fp8_cast_seconds, kernel_dtype, op_backward_time, op_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.context_parallel import context_parallel_comm
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
 from autopar.cost.engines import (
+    FUSED_KERNEL_ENGINES,
     UB_BULK_SMS,
     UB_PIPELINE_SMS,
     UB_PIPELINE_SPLITS,
@@ -26,6 +27,7 @@ from autopar.cost.engines import (
     engine_features,
     sm_share_slowdown,
 )
+from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import (
@@ -139,6 +141,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     tied_split = engine_features(config.engine).tied_vocab_parallel and config.vocab_parallel
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
+    # a fusing engine runs each region of memory-bound ops as one kernel (cost.fused_regions)
+    regions = fused_regions(graph, block) if config.engine in FUSED_KERNEL_ENGINES else []
+    fused = {n for region in regions for n in region}
+    region_divisor: dict[str, float] = {}
     for name in block.nodes:
         op = graph.op(name)
         if op.kind is OpKind.MOE_EXPERT:
@@ -156,6 +162,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                 graph, name, tp, tied_split) or (
                 name in layout.sharded and any(is_prefix_param(p) for p in op.params)):
             tp_param_names.update(op.params)
+        if name in fused:
+            region_divisor.setdefault(name, divisor)
+            op_s[name] = 0.0
+            continue
         t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
         op_s[name] = t
         fwd += t
@@ -171,6 +181,16 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             attention_bwd_s += t_bwd
         if name in core:
             core_s += t
+    for region in regions:
+        divisor = max(region_divisor.get(n, 1.0) for n in region)
+        region_fwd, region_bwd = fused_region_seconds(graph, block, region, device, byte_scale,
+                                                      divisor)
+        fwd += region_fwd
+        bwd += region_bwd
+    if precision.compute == "fp8":
+        cast_fwd, cast_bwd = fp8_cast_time(graph, block, layout, tp, flop_scale, cluster)
+        fwd += cast_fwd
+        bwd += cast_bwd
     recompute_s = fwd if recompute == "full" else core_s
     # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
     # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
@@ -236,6 +256,28 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                      cp_comm.fwd_exposed_s, cp_comm.bwd_exposed_s, overlap_fwd, overlap_bwd)
 
 
+def fp8_cast_time(graph: Graph, block: Block, layout, tp: int, flop_scale: float,
+                  cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's FP8 casts in a block: each distinct
+    input of an FP8 linear once in the forward, each FP8 linear's output gradient once in the
+    backward, at the size one tp rank holds (a column-parallel linear reads its whole input and
+    writes 1/tp of its output; a row-parallel one the reverse). The weights' casts are left
+    out: Transformer Engine keeps the FP8 weights across a step's micro-batches
+    (``is_first_microbatch``), so they cost 4 bytes per parameter once a step."""
+    device = cluster.device
+    inputs: dict[str, float] = {}
+    backward = 0.0
+    for name in block.nodes:
+        op = graph.op(name)
+        if kernel_dtype(op, "fp8") != "fp8" or not op.input_meta or not op.output_meta:
+            continue
+        into = op.input_meta[0].numel * flop_scale / (tp if name in layout.row else 1)
+        out = op.output_meta[0].numel * flop_scale / (tp if name in layout.column else 1)
+        inputs[op.inputs[0] if op.inputs else name] = into
+        backward += fp8_cast_seconds(device, out)
+    return sum(fp8_cast_seconds(device, n) for n in inputs.values()), backward
+
+
 def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale: float,
                        config: ParallelConfig, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds a block's sequence-parallel collectives add to its GEMMs
@@ -287,7 +329,8 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
            config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
-           config.vocab_parallel, engine_features(config.engine).tied_vocab_parallel)
+           config.vocab_parallel, engine_features(config.engine).tied_vocab_parallel,
+           config.engine in FUSED_KERNEL_ENGINES)
     by_type = graph_memo(graph)
     if key not in by_type:
         by_type[key] = block_cost(graph, block, config, cluster, recompute)

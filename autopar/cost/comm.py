@@ -15,7 +15,11 @@ bytes over the bus bandwidth (nccl-tests' ``busbw``):
 - NCCL also runs all_reduce as a double binary tree across nodes (latency
   ``base + 2 ((k-1) intra_hop + log2(N) inter_hop)``, time ``2 S / busbw``, with NCCL's
   per-size tree correction) and in three protocols (LL, LL128, Simple) that trade latency for
-  bandwidth; it picks the fastest, and so does this model. all_gather and reduce_scatter are
+  bandwidth; it picks the fastest, and so does this model. LL's bus bandwidth is 1/2 of the
+  ring's (1/3.8 of the tree's) and never more than NCCL's ``llMaxBws`` cap
+  (``node.ll_max_bandwidth``: by GPU generation in a node, by host CPU across nodes, 20 GB/s
+  on three or more Intel-hosted nodes), so large collectives across nodes run LL128 or Simple
+  and pay their larger per-step latency. all_gather and reduce_scatter are
   rings on nodes of several GPUs (NCCL's PAT algorithm needs one GPU per node).
 
 The catalog gives the Simple protocol's ring hop latencies (``intra_latency``,
@@ -149,18 +153,23 @@ def _nccl_time(kind: str, nbytes: float, placement: AxisPlacement, cluster: Clus
     base_scale = node.collective_latency / (_NCCL_BASE["ring"][2] * _US)
     steps, inter_steps = _ring_steps(kind, n, nodes)
     best = float("inf")
+    # LL's bus bandwidth is also capped outright (NCCL's llMaxBws): on several nodes it is the
+    # slowest protocol for any message past a few hundred kilobytes
+    ll_cap = node.ll_cap(nodes)
     for p in range(3):
         lat = (_NCCL_BASE["ring"][p] * base_scale
                + (steps - inter_steps) * _NCCL_INTRA["ring"][p] * intra_scale
                + inter_steps * _NCCL_INTER["ring"][p] * inter_scale) * _US
-        best = min(best, lat + volume / (busbw * _NCCL_BW["ring"][p]))
+        bw = busbw * _NCCL_BW["ring"][p]
+        best = min(best, lat + volume / (min(bw, ll_cap) if p == 0 else bw))
     if kind == "all_reduce" and nodes > 1:
         index = min(max(int(math.log2(max(nbytes, 64) / 64)), 0), len(_TREE_CORRECTION[0]) - 1)
         for p in range(3):
             lat = (_NCCL_BASE["tree"][p] * base_scale
                    + 2 * ((k - 1) * _NCCL_INTRA["tree"][p] * intra_scale
                           + math.log2(nodes) * _NCCL_INTER["tree"][p] * inter_scale)) * _US
-            bw = busbw * _NCCL_BW["tree"][p] * _TREE_CORRECTION[p][index]
+            bw = busbw * _NCCL_BW["tree"][p]
+            bw = (min(bw, ll_cap) if p == 0 else bw) * _TREE_CORRECTION[p][index]
             best = min(best, lat + 2 * nbytes / bw)
     return best
 

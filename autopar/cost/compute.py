@@ -26,6 +26,11 @@ efficiency)) + kernel overhead``, and never less than the host's time to issue t
   (:func:`backward_kernels`): nothing for an add of equal shapes (the gradient passes through),
   one kernel per tensor operand for a product, one kernel reading the output gradient and the
   saved tensors for anything else.
+- **FP8** (``compute: fp8``) is Transformer Engine's recipe: only the linears' GEMMs run in
+  FP8, at ``efficiency.matmul_fp8`` of the FP8 peak; attention, the unfused matmuls and every
+  memory-bound op stay in bf16 (:func:`kernel_dtype`). Each FP8 GEMM operand is first cast by a
+  memory-bound kernel that also writes the transposed copy Hopper's TN-only FP8 GEMMs need
+  (:func:`fp8_cast_seconds`).
 - Every launched kernel costs ``kernel_overhead_s`` on the device, and takes at least
   ``dispatch_overhead_s`` of host time to issue from eager PyTorch: a kernel shorter than that
   leaves the device idle, which is what small models and small per-device batches pay.
@@ -56,6 +61,35 @@ _NO_GRAD = {"arange", "zeros", "ones", "full", "empty", "new_ones", "new_zeros",
 # the fused kernels' backward: recompute the scores, then dV, dP, dQ and dK (FlashAttention-2,
 # Dao 2023, Sec. 3.1.2; flash-attention's benchmarks count backward FLOPs as 2.5x forward)
 ATTENTION_BACKWARD_FLOPS = 2.5
+# Transformer Engine's FP8 cast of a bf16 tensor: read it (2 bytes an element), write the FP8
+# copy and its transpose (1 + 1 bytes): Hopper's cuBLASLt FP8 GEMMs take only the "TN" layout,
+# so the wgrad / dgrad GEMMs need the transposed ("columnwise") copy (TransformerEngine docs,
+# low_precision_training/performance_considerations, "Handling transposes")
+FP8_CAST_BYTES_PER_ELEMENT = 4.0
+
+
+def is_gemm(op: OpNode) -> bool:
+    """A matmul-like op priced by its tiles (linear, matmul, grouped expert matmul)."""
+    return op.kind in _MATMUL_KINDS or (op.kind is OpKind.MOE_EXPERT and "mm" in op.target)
+
+
+def kernel_dtype(op: OpNode, dtype: str) -> str:
+    """The dtype ``op``'s kernel computes in when the plan computes in ``dtype``: under FP8
+    only the linears (dense and grouped expert GEMMs with a weight) run in FP8, as Transformer
+    Engine's ``fp8_autocast`` runs them; attention, matmuls of two activations and memory-bound
+    ops stay in bf16."""
+    if dtype != "fp8":
+        return dtype
+    weighted = op.kind is OpKind.LINEAR or (op.kind is OpKind.MOE_EXPERT and "mm" in op.target)
+    return "fp8" if weighted else "bf16"
+
+
+def fp8_cast_seconds(device: DeviceSpec, elements: float) -> float:
+    """Seconds of one Transformer Engine cast (+ transpose) of ``elements`` bf16 values to
+    FP8, a memory-bound kernel at the achieved bandwidth (amax is reduced in the same pass)."""
+    seconds = elements * FP8_CAST_BYTES_PER_ELEMENT / (device.memory_bandwidth
+                                                       * device.efficiency.memory)
+    return _issue(device, seconds)
 
 
 def matmul_dims(op: OpNode) -> tuple[int, int, int]:
@@ -82,14 +116,15 @@ def tile_utilisation(device: DeviceSpec, m: float, n: float) -> float:
 
 
 def matmul_efficiency(device: DeviceSpec, m: float, n: float, k: float = 0.0,
-                      sustained: bool = True) -> float:
+                      sustained: bool = True, dtype: str = "bf16") -> float:
     """Achieved / peak rate of an m x n (x k) matmul: the best-shape efficiency times the
     tile and wave utilisation of the device's compute units, at the clock the device sustains
     in a training loop (``sustained=False``: a single burst at boost clock); on a device
     calibrated from runs (``efficiency.matmul_by_flops``), the rate measured for calls of its
-    size instead of the best-shape one."""
+    size instead of the best-shape one. ``dtype`` picks the best-shape rate of that dtype
+    (FP8 GEMMs: ``efficiency.matmul_fp8``)."""
     measured = device.efficiency.matmul_at(2 * m * n * k)
-    best = device.efficiency.matmul if measured is None else measured
+    best = device.efficiency.matmul_for(dtype) if measured is None else measured
     clock = device.efficiency.sustained if sustained and measured is None else 1.0
     return best * clock * tile_utilisation(device, m, n)
 
@@ -157,6 +192,12 @@ def _issue(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> float:
     return kernels * max(per, device.dispatch_overhead_s)
 
 
+def kernel_seconds(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> float:
+    """Seconds ``kernels`` launches of ``kernel_s`` device time in all take (see ``_issue``):
+    for pricing kernels the graph does not hold one op each (fused regions, casts)."""
+    return _issue(device, kernel_s, kernels)
+
+
 def _fused_attention_seconds(op: OpNode, device: DeviceSpec, peak: float, flops: float,
                              memory_time: float, backward: bool) -> float:
     _, s_k, causal = attention_shape(op)
@@ -180,11 +221,12 @@ def op_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float, byte_
         return 0.0
     flops = op.flops * flop_scale / divisor
     nbytes = (op.bytes_read + op.bytes_written) * byte_scale / divisor
+    dtype = kernel_dtype(op, dtype)
     peak = device.flops_for(dtype)
     memory_time = nbytes / (device.memory_bandwidth * device.efficiency.memory)
-    if op.kind in _MATMUL_KINDS or (op.kind is OpKind.MOE_EXPERT and "mm" in op.target):
+    if is_gemm(op):
         m, n, k = matmul_dims(op)
-        eff = matmul_efficiency(device, m * flop_scale, n / divisor, k, sustained)
+        eff = matmul_efficiency(device, m * flop_scale, n / divisor, k, sustained, dtype)
         seconds = max(flops / (peak * eff), memory_time)
     elif is_fused_attention(op):
         seconds = _fused_attention_seconds(op, device, peak, flops, memory_time, False)
@@ -208,19 +250,21 @@ def op_backward_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: flo
     if op.kind is OpKind.VIEW:
         return 0.0
     flops = op.flops * flop_scale / divisor
+    dtype = kernel_dtype(op, dtype)
     peak = device.flops_for(dtype)
     read = op.bytes_read * byte_scale / divisor
     written = op.bytes_written * byte_scale / divisor
     bandwidth = device.memory_bandwidth * device.efficiency.memory
     memory_time = (2 * read + written) / bandwidth
-    if op.kind in _MATMUL_KINDS or (op.kind is OpKind.MOE_EXPERT and "mm" in op.target):
+    if is_gemm(op):
         m, n, k = matmul_dims(op)
         rows, cols = m * flop_scale, n / divisor
         # input gradient: (m x n) @ (n x k); weight gradient: (n x m) @ (m x k)
         shapes = [(rows, k, cols)]
         if weight_grad or op.kind is OpKind.MATMUL:
             shapes.append((cols, k, rows))
-        return sum(_issue(device, max(flops / (peak * matmul_efficiency(device, a, b, c)),
+        return sum(_issue(device, max(flops / (peak * matmul_efficiency(device, a, b, c,
+                                                                        dtype=dtype)),
                                       memory_time / len(shapes)))
                    for a, b, c in shapes)
     if is_fused_attention(op):

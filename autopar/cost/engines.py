@@ -137,6 +137,10 @@ ENGINE_FEATURES = {
 
 # Megatron-LM and Megatron-Core: pipeline chunks stated as layers per virtual stage
 MEGATRON_ENGINES = ("megatron", "megatron-core")
+# engines that run each norm and rotary embedding as one fused kernel (Transformer Engine's
+# normalization, Megatron-Core's megatron/core/fusions/): autopar.cost.fused_regions.
+# Megatron-LM as the 2021-2022 papers ran it stays priced op by op, as it was
+FUSED_KERNEL_ENGINES = ("megatron-core",)
 
 # TransformerEngine's userbuffers defaults (NVIDIA/TransformerEngine
 # transformer_engine/pytorch/module/base.py, initialize_ub): the all-gathers feeding qkv and fc1

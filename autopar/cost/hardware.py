@@ -44,11 +44,21 @@ class Efficiency:
     # keys per query tile whose time a fused attention kernel spends outside its inner loop
     # (loading Q, normalising and storing O): the rate at s keys is s / (s + this) of the peak
     attention_ramp_tokens: float | None = None
+    # best-shape fp8 GEMM rate / fp8 peak (cuBLAS FP8 kernels reach a smaller share of their
+    # doubled peak than bf16 ones of theirs); None: ``matmul`` (a profile whose peak_flops are
+    # measured per dtype)
+    matmul_fp8: float | None = None
 
     @property
     def sustained(self) -> float:
         """The factor on Tensor-Core rates for work that runs as long as a training step."""
         return 1.0 if self.sustained_clock is None else self.sustained_clock
+
+    def matmul_for(self, dtype: str) -> float:
+        """The best-shape GEMM efficiency of ``dtype`` (short name)."""
+        if dtype == "fp8" and self.matmul_fp8 is not None:
+            return self.matmul_fp8
+        return self.matmul
 
     def matmul_at(self, flops: float) -> float | None:
         """The measured efficiency of a matmul call of ``flops`` FLOPs (None: no classes)."""
@@ -143,6 +153,16 @@ class NodeSpec:
     # achieve together (all sockets), which an offloaded optimizer step runs on
     host_cores: int
     host_memory_bandwidth: float
+    # NCCL's cap on the LL protocol's bus bandwidth (``llMaxBws`` in src/graph/tuning.cc), for
+    # one node, two nodes and three or more: per GPU generation inside a node, per host CPU
+    # vendor across nodes. Empty: no cap (backends without NCCL's protocols)
+    ll_max_bandwidth: tuple[float, ...] = ()
+
+    def ll_cap(self, nodes: int) -> float:
+        """NCCL's LL bus-bandwidth cap for a group spanning ``nodes`` nodes (inf: none)."""
+        if not self.ll_max_bandwidth:
+            return float("inf")
+        return self.ll_max_bandwidth[min(max(nodes, 1), 3) - 1]
 
 
 @dataclass(frozen=True)
@@ -257,13 +277,13 @@ def _flop_classes(d: dict, where: str) -> tuple[tuple[float, float], ...]:
 
 
 _REFINEMENTS = ("sustained_clock", "attention_forward", "attention_backward",
-                "attention_ramp_tokens")
+                "attention_ramp_tokens", "matmul_fp8")
 
 
 def _refinements(d: dict) -> dict:
     """The optional efficiency refinements a catalog states (see :class:`Efficiency`)."""
     values = {key: float(d[key]) for key in _REFINEMENTS if d.get(key) is not None}
-    for key in ("sustained_clock", "attention_forward", "attention_backward"):
+    for key in ("sustained_clock", "attention_forward", "attention_backward", "matmul_fp8"):
         if key in values and not 0 < values[key] <= 1:
             raise ValueError(f"efficiency.{key} must lie in (0, 1]")
     if values.get("attention_ramp_tokens", 0.0) < 0:
@@ -312,7 +332,13 @@ def parse_cluster(data: dict, where: str) -> Cluster:
         values = _numbers(node, NodeSpec, where, "node")
         node_spec = NodeSpec(**{**values, "devices_per_node": int(values["devices_per_node"]),
                                  "compute_slots": int(values["compute_slots"]),
-                                 "host_cores": int(values["host_cores"])})
+                                 "host_cores": int(values["host_cores"])},
+                             ll_max_bandwidth=tuple(float(v) for v in
+                                                    node.get("ll_max_bandwidth") or ()))
+        if node_spec.ll_max_bandwidth and (len(node_spec.ll_max_bandwidth) != 3 or min(
+                node_spec.ll_max_bandwidth) <= 0):
+            raise ValueError("node.ll_max_bandwidth must be [one node, two nodes, three or "
+                             "more] in bytes/s")
         if not 1 <= node_spec.compute_slots <= node_spec.devices_per_node:
             raise ValueError("node.compute_slots must lie in 1..devices_per_node")
         if node_spec.host_cores < 1 or node_spec.host_memory_bandwidth <= 0:

@@ -58,7 +58,9 @@ class Precision:
 
     @property
     def activation_bytes(self) -> int:
-        return DTYPE_BYTES[self.compute]
+        """Bytes per activation element. FP8 compute keeps activations in bf16: Transformer
+        Engine casts only the GEMM operands to FP8, inside its linears."""
+        return DTYPE_BYTES["bf16" if self.compute == "fp8" else self.compute]
 
     def as_dict(self) -> dict:
         return {"param": self.param, "compute": self.compute, "reduce": self.reduce,
