@@ -8,9 +8,9 @@ Modes, from most memory to least:
 - ``selective``: Megatron-LM's selective recompute, the attention core re-run (Korthikanti et
   al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.2);
 - ``op``: torchtitan's op-level selective activation checkpointing, its default for Llama
-  (``SelectiveAC`` in pytorch/torchtitan torchtitan/distributed/activation_checkpoint.py; before
-  August 2025 the ``_save_list`` of torchtitan/models/llama3/infra/parallelize.py, the policy of
-  its published A100/H100 tables). Each block is checkpointed; the outputs of the
+  (``SelectiveAC`` in pytorch/torchtitan torchtitan/distributed/activation_checkpoint.py; in 2024,
+  when its published A100/H100 tables were measured, the same policy was the ``_save_list`` of
+  torchtitan/parallelisms/parallelize_llama.py, e.g. commit fa8cdd48e). Each block is checkpointed; the outputs of the
   compute-intensive ops are kept (the ops of ``torch._functorch.partitioners
   .get_default_op_list().compute_intensive_ops``: mm, addmm, bmm, _scaled_mm, the fused
   attention kernels, convolution; plus aten.linear, full max, topk, and the reduce-scatter and
