@@ -47,3 +47,18 @@ def test_choice_matches_brute_force(seed: int) -> None:
         assert seconds == pytest.approx(best)
         assert [sum(c.values()) for c in counts] == [n for n, _ in types]
         assert all(set(c) <= set(MODES) for c in counts)
+
+
+def test_many_blocks_of_many_types_keep_an_exact_three_mode_answer() -> None:
+    """Two block types of 40 blocks: four modes' count vectors (12,341 per type, squared) pass
+    the enumeration limit, three modes' (861 squared) do not; the choice then leaves ``op`` out
+    rather than giving up (which would fall back to full recompute everywhere)."""
+    costs = [ModeCost(100.0, 0.0, 0.0), ModeCost(60.0, 5.0, 0.2), ModeCost(30.0, 10.0, 0.5),
+             ModeCost(5.0, 20.0, 1.0)]
+    types = [(40, costs), (40, costs)]
+    got = choose_recompute(types, 0.0, 1.0, 80 * 70.0)
+    assert got is not None
+    counts, seconds = got
+    assert all("op" not in c for c in counts)
+    assert [sum(c.values()) for c in counts] == [40, 40]
+    assert seconds > 0  # 'none' everywhere (8,000) does not fit 5,600
