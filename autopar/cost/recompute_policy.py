@@ -14,7 +14,7 @@ Modes, from most memory to least:
   compute-intensive ops are kept (the ops of ``torch._functorch.partitioners
   .get_default_op_list().compute_intensive_ops``: mm, addmm, bmm, _scaled_mm, the fused
   attention kernels, convolution; plus aten.linear, full max, topk, and the reduce-scatter and
-  all-to-all collectives), except every second ``mm`` / ``linear`` of the block, counted in
+  all-to-all collectives; not topk, below), except every second ``mm`` / ``linear`` of the block, counted in
   forward order, which is re-run with everything else (norms, activations, rotary,
   elementwise). For a Llama block that keeps the block input, the q and v projections, the
   fused attention output (and its log-sum-exp), the gate projection and the down projection;
@@ -41,9 +41,12 @@ LAYERLESS_BLOCKS = ("head", "tail", "root")
 # _get_default_save_ops (compute_intensive_ops, its explicit SDPA / linear / topk list, the
 # collectives). _scaled_dot_product_flash_attention_for_cpu is the CPU build of the flash kernel
 # that CUDA runs as _scaled_dot_product_flash_attention: kept so that a CPU run keeps what a
-# GPU run keeps
+# GPU run keeps. torchtitan also keeps topk (its MoE routing, for determinism); autopar re-runs
+# it: a Hugging Face router normalises its top-k weights in place (Mixtral's /=), and a kept
+# output changed in place is replayed with wrong router gradients (46% off on a tiny Mixtral).
+# The bytes are a few per token, the seconds a memory-bound kernel's
 OP_POLICY_SAVED = frozenset({
-    "mm", "addmm", "bmm", "_scaled_mm", "linear", "convolution", "topk",
+    "mm", "addmm", "bmm", "_scaled_mm", "linear", "convolution",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
     "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",

@@ -114,7 +114,9 @@ def op_level_policy():
 
 def op_level_contexts():
     """The checkpoint ``context_fn`` of recompute mode ``op``: one fresh policy per forward of
-    the block (the mm count starts again at each block, as torchtitan's does)."""
+    the block (the mm count starts again at each block, as torchtitan's does). A kept output
+    changed in place later in the forward would be replayed with wrong gradients: PyTorch's
+    check that refuses it stays on (the policy re-runs top-k for that reason)."""
     return create_selective_checkpoint_contexts(op_level_policy())
 
 

@@ -4,6 +4,8 @@ numbers of training without recompute, on one process and on two."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -122,3 +124,23 @@ def test_op_plan_from_the_search_on_two_processes_matches_one(llama) -> None:
     assert set(plan.recompute[1:-1]) == {"op"} and plan.devices == 2
     losses = run_ranks(source, plan, STEPS)[0]
     assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_op_on_a_mixture_of_experts_gives_the_gradients_of_no_recompute() -> None:
+    """Mixtral's router normalises its top-k weights in place: were top-k's output kept, the
+    recompute would replay the normalised weights and the router's gradient would be wrong
+    (or PyTorch would refuse the mutated cache entry). The policy re-runs top-k."""
+    torch.manual_seed(0)
+    model = build_model("tiny-mixtral", device="cpu")
+    ids = torch.randint(0, 100, (BATCH, SEQ))
+    grads = {}
+    for mode in ("none", "op"):
+        run = copy.deepcopy(model)
+        for i in range(len(run.model.layers)):
+            parallelize.recompute_block(run, f"model.layers.{i}", mode, SEQ)
+        run(ids).logits.float().pow(2).mean().backward()
+        grads[mode] = {n.replace("._checkpoint_wrapped_module", ""): p.grad
+                       for n, p in run.named_parameters() if p.grad is not None}
+    assert grads["op"].keys() == grads["none"].keys()
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads["op"][name], grad, rtol=1e-5, atol=1e-6)
