@@ -139,7 +139,8 @@ def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTen
         return []  # times a Python scalar: nothing to keep
     if name == "mul" and len(op.inputs) == 2:
         # d(a*b)/da needs b, d(a*b)/db needs a: autograd keeps a factor only when the other
-        # one needs a gradient (rotary's q * cos keeps cos, not q)
+        # one needs a gradient (rotary's q * cos keeps cos, not q; pytorch/pytorch
+        # tools/autograd/derivatives.yaml, mul.Tensor)
         return [_saved(graph, op, i, src) for i, src in act_inputs
                 if storage_root(graph, op.inputs[1 - i]) in grad_ops
                 or op.inputs[1 - i] in grad_ops]

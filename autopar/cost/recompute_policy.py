@@ -8,13 +8,14 @@ Modes, from most memory to least:
 - ``selective``: Megatron-LM's selective recompute, the attention core re-run (Korthikanti et
   al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.2);
 - ``op``: torchtitan's op-level selective activation checkpointing, its default for Llama
-  (``SelectiveAC`` in pytorch/torchtitan torchtitan/distributed/activation_checkpoint.py; in 2024,
-  when its published A100/H100 tables were measured, the same policy was the ``_save_list`` of
-  torchtitan/parallelisms/parallelize_llama.py, e.g. commit fa8cdd48e). Each block is checkpointed; the outputs of the
-  compute-intensive ops are kept (the ops of ``torch._functorch.partitioners
-  .get_default_op_list().compute_intensive_ops``: mm, addmm, bmm, _scaled_mm, the fused
-  attention kernels, convolution; plus aten.linear, full max, topk, and the reduce-scatter and
-  all-to-all collectives; not topk, below), except every second ``mm`` / ``linear`` of the block, counted in
+  (``SelectiveAC`` in pytorch/torchtitan torchtitan/distributed/activation_checkpoint.py; in
+  2024, when its published A100/H100 tables were measured, the same policy was the
+  ``_save_list`` of torchtitan/parallelisms/parallelize_llama.py, e.g. commit fa8cdd48e). Each
+  block is checkpointed; the outputs of the compute-intensive ops are kept (the ops of
+  ``torch._functorch.partitioners.get_default_op_list().compute_intensive_ops``: mm, addmm,
+  bmm, _scaled_mm, the fused attention kernels, convolution; plus aten.linear, full max and
+  the reduce-scatter and all-to-all collectives; torchtitan's topk is re-run here, see
+  ``OP_POLICY_SAVED``), except every second ``mm`` / ``linear`` of the block, counted in
   forward order, which is re-run with everything else (norms, activations, rotary,
   elementwise). For a Llama block that keeps the block input, the q and v projections, the
   fused attention output (and its log-sum-exp), the gate projection and the down projection;
