@@ -30,7 +30,7 @@ from autopar.ir.graph import Graph
 from autopar.plan.support import unsupported
 from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
 from autopar.search.infeasible import infeasible_message
-from autopar.search.robust import ROBUST_MARGIN, robust_choice
+from autopar.search.robust import MEMORY_RISK_FRACTION, ROBUST_MARGIN, robust_choice
 from autopar.search.space import (
     OFFLOAD_CHOICES,
     SCHEDULES_PP,
@@ -239,6 +239,16 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             found.append((est.step_time_s, cand.tie, config, est))
             if best is None or est.step_time_s < best[1].step_time_s:
                 best = (config, est)
+            # the fastest partition fills memory to the brim; the same mesh with a little more
+            # recompute (or another split) that keeps the allocator's margin competes too, so
+            # a risky plan is chosen only when no lean one is near (robust.py)
+            if est.memory.total > MEMORY_RISK_FRACTION * capacity:
+                lean_cutoff = best[1].step_time_s * (1 + ROBUST_MARGIN)
+                lean, _ = best_partition(graph, cluster, replace(config, stages=cand.config.stages),
+                                         MEMORY_RISK_FRACTION * capacity, host_capacity, task,
+                                         pinned_recompute, lean_cutoff)
+                if lean is not None and lean[1].step_time_s <= lean_cutoff:
+                    found.append((lean[1].step_time_s, cand.tie, lean[0], lean[1]))
         else:
             bound = best[1].step_time_s if best is not None else float("inf")
         if best is not None:

@@ -64,6 +64,18 @@ def test_memory_within_the_headroom(plans, name, devices) -> None:
     robust = plan.solver["robust"]
     assert robust["memory_risk"] == (share > MEMORY_RISK_FRACTION)
     assert (memory_warning(plan) is not None) == (share > MEMORY_RISK_FRACTION)
+    # the search prices each mesh's partition at the allocator's margin too, so a lean plan
+    # near the fastest exists at every one of these budgets: none is taken at risk
+    assert not robust["memory_risk"]
+
+
+def test_a_mesh_that_fills_memory_competes_with_its_lean_partition(plans) -> None:
+    """Llama-3-70B on 64 devices: the fastest plan fills the usable memory (its mesh's fastest
+    recompute split), the chosen one keeps the 5% margin for a little more recompute."""
+    robust = plans[("llama3-70b", 64)].solver["robust"]
+    assert robust["fastest_memory_fraction"] > MEMORY_RISK_FRACTION
+    assert robust["memory_fraction"] <= MEMORY_RISK_FRACTION
+    assert robust["passed_over_for_memory"] > 0
 
 
 def test_robust_choice_passes_over_plans_without_memory_headroom(graphs) -> None:
