@@ -18,9 +18,9 @@ ROWS = Path(__file__).resolve().parents[1] / "tests" / "cost" / "data" / "torcht
 MODELS = {"llama3_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama2_13b": "llama2-13b",
           "llama2_70b": "llama2-70b"}
 # torchtitan's layer-level selective checkpointing (selective_ac_option 2) recomputes every
-# second layer in full; its op-level policy (saving every other matmul output) is not a mode
-# autopar models, so it is costed as attention-core recompute and flagged
-RECOMPUTE = {"selective_layer": "every_other", "selective_op": "selective", "full": "full",
+# second layer in full; its op-level policy (saving every other matmul output and the
+# attention output) is autopar's recompute mode "op"
+RECOMPUTE = {"selective_layer": "every_other", "selective_op": "op", "full": "full",
              "none": "none"}
 
 

@@ -55,7 +55,7 @@ def program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
                  if mode != "none" and b["name"] not in _LAYERLESS}
     w.line("# the repeated layers: each its own recompute and fully_shard unit")
     w.line(f"LAYERS = {_list(layers)}")
-    w.line(f"RECOMPUTE = {_dict(recompute)}  # layer -> full | selective")
+    w.line(f"RECOMPUTE = {_dict(recompute)}  # layer -> full | selective | op")
     w.line(f"SEQ = {seq}  # tokens per sequence: selective recompute spots the score tensors")
     if m["pp"] > 1:
         _pipeline(w, plan, layout)
@@ -314,7 +314,8 @@ def _tp_statements(w: _Writer, target: str, shared: bool, pipeline: bool) -> Non
 
 
 def _recompute_statements(w: _Writer, target: str, pipeline: bool) -> None:
-    w.line("    # recompute: full checkpoints the layer, selective its attention core only")
+    w.line("    # recompute: full checkpoints the layer, selective its attention core only, op "
+           "keeps every other projection's and attention's outputs")
     w.line("    for layer, mode in " + (f"ap.present({target}, RECOMPUTE)" if pipeline
                                          else "RECOMPUTE") + ".items():")
     w.line(f"        ap.recompute({target}, layer, mode, SEQ)")

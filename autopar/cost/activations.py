@@ -13,6 +13,9 @@ parallelism divides the rest too. Recompute modes:
 - ``none``: everything saved;
 - ``selective``: the attention core (the ops from the score matmul to the value matmul, or the
   fused SDPA op) is recomputed, so what only it saves is dropped; its inputs q, k, v stay;
+- ``op``: torchtitan's op-level policy (:mod:`autopar.cost.recompute_policy`): the block's
+  inputs and the outputs of the ops the policy keeps (every other projection, the fused
+  attention output and its log-sum-exp) are kept; the rest is re-run;
 - ``full``: only the block's inputs are kept.
 """
 
@@ -23,10 +26,9 @@ from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
 from autopar.cost.config import TPLayouts
+from autopar.cost.recompute_policy import RECOMPUTE_MODES, op_policy_saved
 from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
-
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 # ops that save nothing for backward (their gradient needs only the output grad / shapes)
 _SAVE_NOTHING = {"add", "sub", "neg", "to", "_to_copy", "cat", "stack", "sum", "mean",
@@ -49,15 +51,37 @@ class SavedTensor:
 
 
 def storage_root(graph: Graph, name: str) -> str:
-    """Follow views back to the op that owns the storage."""
+    """Follow views back to the op that owns the storage. A ``contiguous`` of a fused
+    attention output is one too: the flash kernels write the output as (batch, seq, heads,
+    head_dim) and return its (1, 2) transpose (PyTorch aten/src/ATen/native/transformers/
+    cuda/attention.cu, ``_scaled_dot_product_flash_attention_cuda``; the CPU flash kernel
+    likewise), so the model's transpose back and ``contiguous`` copy nothing."""
     seen = 0
-    while graph.has_op(name) and graph.op(name).kind is OpKind.VIEW and seen < 64:
+    while graph.has_op(name) and seen < 64:
         op = graph.op(name)
-        if not op.inputs:
+        if not op.inputs or not (op.kind is OpKind.VIEW or _is_flash_layout_copy(graph, op)):
             break
         name = op.inputs[0]
         seen += 1
     return name
+
+
+def _is_flash_layout_copy(graph: Graph, op: OpNode) -> bool:
+    """Whether ``op`` is a ``contiguous`` of a transposed fused attention output (a no-op)."""
+    if packet_name(op.target) != "contiguous" or not op.inputs:
+        return False
+    name, transposed = op.inputs[0], False
+    for _ in range(8):
+        if not graph.has_op(name):
+            return False
+        src = graph.op(name)
+        if src.kind is OpKind.ATTENTION:
+            return transposed
+        if src.kind is not OpKind.VIEW or not src.inputs:
+            return False
+        transposed = transposed or packet_name(src.target) == "transpose"
+        name = src.inputs[0]
+    return False
 
 
 def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
@@ -113,6 +137,13 @@ def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTen
                 if i < len(op.input_meta) and op.input_meta[i].dtype == "bool"]
     if name in _BINARY and len(op.input_meta) < 2:
         return []  # times a Python scalar: nothing to keep
+    if name == "mul" and len(op.inputs) == 2:
+        # d(a*b)/da needs b, d(a*b)/db needs a: autograd keeps a factor only when the other
+        # one needs a gradient (rotary's q * cos keeps cos, not q; pytorch/pytorch
+        # tools/autograd/derivatives.yaml, mul.Tensor)
+        return [_saved(graph, op, i, src) for i, src in act_inputs
+                if storage_root(graph, op.inputs[1 - i]) in grad_ops
+                or op.inputs[1 - i] in grad_ops]
     # default (linear, matmul, norms, mul, gelu, silu, embedding indices, ...): tensor inputs
     return [_saved(graph, op, i, src) for i, src in act_inputs]
 
@@ -180,7 +211,7 @@ def block_activation_bytes(
             if recompute == "selective" and op.name in core and t.root.split(":")[0] in core:
                 continue  # produced and saved inside the recomputed core
             stored.setdefault(key, nbytes)
-    if recompute == "full":
+    if recompute in ("full", "op"):
         inputs: dict[str, float] = {}
         for name in block.nodes:
             op = graph.op(name)
@@ -188,12 +219,31 @@ def block_activation_bytes(
                 if src not in members and src in grad_ops:
                     root = storage_root(graph, src)
                     inputs[root] = _input_bytes(graph, op, i) / divisor(root)
-        total_stored = sum(inputs.values())
-        peak = sum(everything.values())
+        kept = op_policy_outputs(graph, block, divisor) if recompute == "op" else {}
+        total_stored = sum(inputs.values()) + sum(kept.values())
+        # the backward re-runs the block and holds what autograd saves, except what is kept
+        peak = sum(v for (root, _), v in everything.items() if root not in kept)
     else:
         total_stored = sum(stored.values())
         peak = sum(everything.values()) - total_stored
     return ActivationBreakdown(total_stored * scale, peak * scale)
+
+
+def op_policy_outputs(graph: Graph, block: Block, divisor) -> dict[str, float]:
+    """Bytes of each output that mode ``op`` keeps in ``block`` (the checkpoint's cache of the
+    kept ops; a fused attention kernel keeps its output and its fp32 log-sum-exp), keyed like
+    :class:`SavedTensor` roots; ``divisor(root)`` is the tensor-parallel split of a root."""
+    kept: dict[str, float] = {}
+    for name in op_policy_saved(graph, block):
+        op = graph.op(name)
+        if not op.output_meta:
+            continue
+        kept[name] = op.output_meta[0].nbytes / divisor(name)
+        if op.kind is OpKind.ATTENTION and op.input_meta:
+            q = op.input_meta[0]
+            lse = q.numel // max(q.shape[-1], 1) * 4  # fp32 per query row, as saved_tensors
+            kept[name + ":lse"] = lse / divisor(name)
+    return kept
 
 
 def forward_peak_bytes(graph: Graph, block: Block, tp: int = 1, scale: float = 1.0,

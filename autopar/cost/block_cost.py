@@ -30,6 +30,7 @@ from autopar.cost.engines import (
 from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
+from autopar.cost.recompute_policy import LAYERLESS_BLOCKS, op_policy_saved
 from autopar.cost.tp_layout import (
     attention_core,
     cache_split,
@@ -122,6 +123,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     device = cluster.device
     precision = config.precision
     assert precision is not None, "resolve the precision first"
+    if recompute == "op" and block.name in LAYERLESS_BLOCKS:
+        # torchtitan checkpoints the transformer blocks only, and so does the runtime: the
+        # embedding and the head with its loss run as without recompute
+        recompute = "none"
     tp, sp = config.tp, config.sequence_parallel and config.tp > 1
     # context parallelism: each rank holds seq / cp tokens of every sequence, so its token-wise
     # compute, activations and activation collectives are 1 / cp of the sequence's; balanced
@@ -139,6 +144,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     core = attention_core(graph, block) if recompute == "selective" else set()
     # a tied table and head split together, unless the plan keeps embeddings whole
     tied_split = engine_features(config.engine).tied_vocab_parallel and config.vocab_parallel
+    kept = op_policy_saved(graph, block) if recompute == "op" else set()
     expert_param_names: set[str] = set()
     tp_param_names: set[str] = set()
     # a fusing engine runs each region of memory-bound ops as one kernel (cost.fused_regions)
@@ -179,8 +185,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         if op.kind is OpKind.ATTENTION:
             attention_fwd_s += t
             attention_bwd_s += t_bwd
-        if name in core:
-            core_s += t
+        if name in core or recompute == "op" and name not in kept:
+            core_s += t  # re-run by the backward: each op priced at its own shapes
     for region in regions:
         divisor = max(region_divisor.get(n, 1.0) for n in region)
         region_fwd, region_bwd = fused_region_seconds(graph, block, region, device, byte_scale,
@@ -206,14 +212,12 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                for b in fwd_bytes + bwd_bytes]
         tp_comm = sum(per)
         tp_fwd_comm = sum(per[: len(fwd_bytes)])
-        if recompute == "full":
-            tp_comm += tp_fwd_comm
+        tp_comm += tp_fwd_comm * recomputed_tp_share(recompute, sp)
     overlap_fwd, overlap_bwd = tp_comm * 0.5, tp_comm * 0.5
     if tp > 1 and sp:
         overlap_fwd, overlap_bwd = tp_overlap_seconds(graph, layout, op_s, byte_scale, config,
                                                       cluster)
-        if recompute == "full":
-            overlap_bwd += overlap_fwd
+        overlap_bwd += overlap_fwd * recomputed_tp_share(recompute, sp)
     ep_comm = 0.0
     if config.ep > 1:
         dispatch = [graph.op(n) for n in block.nodes
@@ -276,6 +280,20 @@ def fp8_cast_time(graph: Graph, block: Block, layout, tp: int, flop_scale: float
         inputs[op.inputs[0] if op.inputs else name] = into
         backward += fp8_cast_seconds(device, out)
     return sum(fp8_cast_seconds(device, n) for n in inputs.values()), backward
+
+
+def recomputed_tp_share(recompute: str, sequence_parallel: bool) -> float:
+    """The share of a block's forward tensor-parallel collectives that its backward runs again
+    when it recomputes. ``full`` re-runs them all. ``op`` keeps the reduce-scatter results
+    (torchtitan's policy saves ``reduce_scatter_tensor``) but re-runs the all-gathers in front
+    of the column projections (half of the sequence-parallel pair), or, without sequence
+    parallelism, the all-reduces after the row projections, whose outputs it does not keep.
+    ``selective`` re-runs attention only, between the collectives."""
+    if recompute == "full":
+        return 1.0
+    if recompute == "op":
+        return 0.5 if sequence_parallel else 1.0
+    return 0.0
 
 
 def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale: float,

@@ -144,7 +144,8 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
     ``byte_scale`` rescales captured bytes to the micro-batch in the activation dtype (whole
     sequence); ``kv_split`` is how many ways tensor parallelism splits the key/value heads;
     ``attention_*_s`` are this rank's attention compute seconds (already ``1 / cp`` of the
-    sequence's). A recompute that re-runs attention (full, selective) exchanges again."""
+    sequence's). A recompute that re-runs attention (full, selective) exchanges again; ``op``
+    keeps the attention kernel's output and does not."""
     cp = config.cp
     if cp <= 1:
         return ContextParallelComm()

@@ -9,10 +9,12 @@ size is implied: ``train_batch_size = micro-batch x accumulation x dp``.
 from __future__ import annotations
 
 from autopar.plan.plan import Plan
+from autopar.plan.support import refuse_op_recompute
 
 
 def deepspeed_config(plan: Plan, grad_clip: float = 1.0) -> dict:
     """The DeepSpeed JSON config that runs ``plan``'s choices."""
+    refuse_op_recompute(plan, "DeepSpeed")
     m = plan.mesh
     offload = set(plan.offload)
     zero: dict = {"stage": plan.zero_stage}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shlex
 
 from autopar.plan.plan import Plan
+from autopar.plan.support import refuse_op_recompute
 
 # Megatron-Core's overlap options (megatron/training/arguments.py): TP communication beside
 # its GEMMs (TransformerEngine userbuffers), gradient reduction beside the backward, the
@@ -33,6 +34,7 @@ _CP_COMM = {"ring": "p2p", "alltoall": "a2a", "hybrid": "a2a+p2p", "allgather": 
 
 def megatron_args(plan: Plan) -> list[str]:
     """Megatron-LM's ``pretrain_gpt.py`` arguments for ``plan``."""
+    refuse_op_recompute(plan, "Megatron-LM")
     m = plan.mesh
     layers = sum(1 for b in plan.model["blocks"] if b["name"] not in ("head", "tail", "root"))
     args = ["--tensor-model-parallel-size", str(m["tp"]),

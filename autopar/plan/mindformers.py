@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from autopar.plan.plan import Plan
+from autopar.plan.support import refuse_op_recompute
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -134,6 +135,7 @@ def _recompute(rc: dict, layers: int | None, pp: int) -> str | tuple[str, ...] |
 
 def mindformers_yaml(plan: Plan) -> dict:
     """The parallel sections of a MindFormers training YAML for ``plan``."""
+    refuse_op_recompute(plan, "MindFormers")
     m = plan.mesh
     layers = [(b["name"], mode) for b, mode in zip(plan.model["blocks"], plan.recompute,
                                                     strict=True)

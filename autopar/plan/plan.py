@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
 
 PLAN_VERSION = 3
@@ -194,9 +195,10 @@ class Plan:
         if len(self.recompute) != nblocks:
             raise PlanError(f"{where}: recompute lists {len(self.recompute)} modes for "
                             f"{nblocks} blocks; give one mode per block")
-        bad = sorted(set(self.recompute) - {"none", "selective", "full"})
+        bad = sorted(set(self.recompute) - set(RECOMPUTE_MODES))
         if bad:
-            raise PlanError(f"{where}: unknown recompute mode(s) {bad}; use none, selective, full")
+            raise PlanError(f"{where}: unknown recompute mode(s) {bad}; use "
+                            f"{', '.join(RECOMPUTE_MODES)}")
         if len(self.stages) != mesh["pp"]:
             raise PlanError(f"{where}: {len(self.stages)} stages for pp={mesh['pp']}")
         expect = 0
@@ -224,9 +226,9 @@ class Plan:
 
     # -- reading ----------------------------------------------------------------------------
     def recompute_counts(self) -> dict[str, int]:
-        """Blocks per recompute mode, in the order none, selective, full: ``{"none": 30,
+        """Blocks per recompute mode, in the order none, selective, op, full: ``{"none": 30,
         "full": 4}``."""
-        return {m: self.recompute.count(m) for m in ("none", "selective", "full")
+        return {m: self.recompute.count(m) for m in RECOMPUTE_MODES
                 if self.recompute.count(m)}
 
     def report(self, fmt: str = "text", run: dict | None = None) -> str:

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.engines import MEGATRON_ENGINES
+from autopar.cost.recompute_policy import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
     from autopar.plan.plan import Plan
 
 _STATE_OFFLOAD = frozenset({"optimizer", "params"})
-RECOMPUTE_MODES = ("none", "selective", "full")
 # whether autopar's runtime runs context parallelism (cp > 1): not yet (a later version runs
 # ring attention); a plan with cp > 1 is priced and reported, and refused when run
 RUNTIME_RUNS_CP = False
@@ -39,11 +39,28 @@ def context_parallel_refusal(engine: str, cp: int) -> str | None:
 def recompute_modes(schedule: str, engine: str = "autopar") -> tuple[str, ...]:
     """The recompute modes the runtime runs under a schedule. The zero-bubble schedule's split
     backward (input gradients, then weight gradients) unpacks a checkpointed layer twice, which
-    selective checkpointing refuses; full checkpointing recomputes again. Plans for another
-    engine are exported, not run: every mode."""
+    selective checkpointing (modes selective and op) refuses; full checkpointing recomputes
+    again. Plans for another
+    engine are exported, not run: every mode their launch arguments express (Megatron-LM and
+    DeepSpeed have no op-level policy: not ``op``)."""
     if engine == "autopar" and schedule == "zero_bubble":
         return ("none", "full")
+    if engine in (*MEGATRON_ENGINES, "deepspeed"):
+        return tuple(m for m in RECOMPUTE_MODES if m != "op")
     return RECOMPUTE_MODES
+
+
+def refuse_op_recompute(plan: Plan, target: str) -> None:
+    """Raise PlanError (one line) when ``plan`` recomputes a block with mode ``op`` and is
+    written for ``target`` (Megatron-LM, MindFormers, DeepSpeed), whose settings have no
+    op-level policy (Megatron-Core's --recompute-modules re-runs whole modules, not every
+    second matmul): no mapping would run what was priced."""
+    from autopar.errors import PlanError
+
+    if "op" in plan.recompute:
+        raise PlanError(f"{target} has no op-level recompute (torchtitan's policy, recompute "
+                        f"'op' in this plan): re-plan with constraints recompute=selective or "
+                        f"full to export it")
 
 
 def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
@@ -67,6 +84,9 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     if engine == "llm-foundry" and offload:
         return ("offload on llm-foundry (FSDP1's CPUOffload is not priced: constraints "
                 "offload=none)")
+    if engine in (*MEGATRON_ENGINES, "deepspeed", "llm-foundry") and "op" in recompute:
+        return (f"op-level recompute on {engine} (no launch argument of it expresses "
+                f"torchtitan's op-level policy: constraints recompute=selective or full)")
     if engine != "autopar":
         return None
     replicas = dp * ep
@@ -74,15 +94,15 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return (f"{num_microbatches} micro-batches on {pp} pipeline stages (torch's schedules "
                 f"need one per stage: a smaller micro-batch or a larger global batch)")
     if pp > 1 and recompute - set(recompute_modes(schedule)):
-        return ("selective recompute with the zero-bubble schedule (constraints "
+        return ("selective or op recompute with the zero-bubble schedule (constraints "
                 "recompute=full or schedule=1f1b)")
     if pp > 1 and schedule == "zero_bubble" and zero_stage == 3:
         # torch's split backward computes a stage's weight gradients after fully_shard has
         # resharded its parameters: every stage but the first ends the step without gradients
         return ("the zero-bubble schedule with ZeRO-3 (constraints schedule=1f1b, or "
                 "zero_stage=2)")
-    if ep > 1 and "selective" in recompute:
-        return ("selective recompute with expert parallelism (selective checkpointing cannot "
+    if ep > 1 and {"selective", "op"} & recompute:
+        return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
                 "replay the all-to-all dispatch's integer routing tensors: constraints "
                 "recompute=full)")
     if sequence_parallel and tp > 1 and pp > 1:

@@ -13,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.cost.recompute_policy import OP_POLICY_ALTERNATING, op_policy_keeps
 from autopar.plan import Plan
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names, tied_modules
 
@@ -30,7 +31,8 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
     ``selective`` checkpoints it too, but with a policy that keeps every op's output except
     the attention core's (the cost model's meaning: from the score matmul to the value matmul,
     or the fused SDPA op), so only those are recomputed, whatever the attention child is
-    called. ``skip_missing`` for a pipeline stage that holds some layers."""
+    called; ``op`` checkpoints it with torchtitan's op-level policy (:func:`op_level_policy`),
+    the one the cost model prices. ``skip_missing`` for a pipeline stage that holds some layers."""
     seq = next(iter(plan.model["inputs"].values()))[-1]
     for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
         name = block["name"]
@@ -45,7 +47,7 @@ def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) ->
 
 
 def recompute_block(model: nn.Module, name: str, mode: str, seq: int) -> None:
-    """Wrap the module at ``name`` for ``mode`` recompute ("full" or "selective", see
+    """Wrap the module at ``name`` for ``mode`` recompute ("full", "selective" or "op", see
     :func:`apply_recompute`); ``seq`` is the sequence length (selective recompute recognises
     the seq x seq score tensors)."""
     if mode == "none":
@@ -61,6 +63,8 @@ def recompute_block(model: nn.Module, name: str, mode: str, seq: int) -> None:
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts,
                                        attention_core_policy(seq),
                                        allow_cache_entry_mutation=True)
+    elif mode == "op":
+        kwargs["context_fn"] = op_level_contexts
     setattr(parent, child, checkpoint_wrapper(getattr(parent, child), **kwargs))
 
 
@@ -86,6 +90,34 @@ def attention_core_policy(seq: int):
         return CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+def op_level_policy():
+    """A fresh selective-checkpoint policy of recompute mode ``op`` (torchtitan's op-level
+    policy, :mod:`autopar.cost.recompute_policy`): keep the outputs of the kept ops, except
+    every second mm / linear of the block's forward; recompute everything else. The count is
+    kept apart for the forward and for the backward's recompute, so both see the same
+    decisions."""
+    counts = {False: 0, True: 0}  # is_recompute -> mm / linear seen
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        name = getattr(op, "__name__", "")
+        packet = name.split(".")[0]
+        if packet in OP_POLICY_ALTERNATING:
+            counts[ctx.is_recompute] += 1
+        keep = op_policy_keeps(name if name == "max.default" else packet,
+                               counts[ctx.is_recompute])
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def op_level_contexts():
+    """The checkpoint ``context_fn`` of recompute mode ``op``: one fresh policy per forward of
+    the block (the mm count starts again at each block, as torchtitan's does). A kept output
+    changed in place later in the forward would be replayed with wrong gradients: PyTorch's
+    check that refuses it stays on (the policy re-runs top-k for that reason)."""
+    return create_selective_checkpoint_contexts(op_level_policy())
 
 
 def data_parallel_wrapper(plan: Plan) -> str:

@@ -44,7 +44,7 @@ def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
 
 
 def recompute(model: nn.Module, layer: str, mode: str, seq: int) -> None:
-    """Wrap ``layer`` for ``mode`` ("full" or "selective") recompute."""
+    """Wrap ``layer`` for ``mode`` ("full", "selective" or "op") recompute."""
     recompute_block(model, layer, mode, seq)
 
 

@@ -39,7 +39,7 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     Stage s holds at least its states plus its stored activations times the micro-batches it
     keeps; summed over stages that caps the activations all stages can store, and the rest of
     what no recompute would store must be shed. Every block type offers none -> selective ->
-    full steps (bytes saved, seconds spent); the lower convex hull of those steps, filled
+    op -> full steps (bytes saved, seconds spent); the lower convex hull of those steps, filled
     greedily (the LP relaxation of the per-block choice), costs no more than any real choice.
     """
     if not train:
@@ -73,7 +73,7 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     for t, (_, count) in enumerate(types):
         points = [(0.0, 0.0)] + [
             (stored["none"][t].activation_bytes - stored[mode][t].activation_bytes,
-             stored[mode][t].recompute_s) for mode in ("selective", "full")]
+             stored[mode][t].recompute_s) for mode in MODES if mode != "none"]
         hull = [(0.0, 0.0)]
         for saved, seconds in sorted(points[1:]):
             if saved <= hull[-1][0]:

@@ -5,7 +5,7 @@ context-parallel ranks exchange attention's keys and values), stage_layers ([fir
 last pipeline stages, the rest split evenly, as Megatron-LM's
 --decoder-first/last-pipeline-num-layers), stages (explicit [start, end) block ranges),
 microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute
-("none" | "selective" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
+("none" | "selective" | "op" | "full", or a list with one of them per block), offload (list of optimizer / params / activations, or "none"; on the command line joined by "+"),
 schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), precision
 (fp32 | bf16 | fp16, or a mapping of param / compute / reduce dtypes and loss_scaling), engine
 (autopar | megatron | megatron-core | deepspeed | llama3-4d | llm-foundry: whose collectives the
@@ -31,6 +31,7 @@ import yaml
 from autopar._paths import data_dir
 from autopar.cost.config import CP_MODES, ENGINES, OFFLOADS, SCHEDULES
 from autopar.cost.precision import parse_precision
+from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
 
 INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
@@ -151,9 +152,9 @@ def _check(key: str, value: object, where: str) -> object:
         return value
     if key == "recompute":
         modes = value if isinstance(value, (list, tuple)) else [value]
-        if not modes or any(m not in ("none", "selective", "full") for m in modes):
-            raise PlanError(f"{where}: recompute must be none, selective or full (or one of "
-                            f"them per block), got {value!r}")
+        if not modes or any(m not in RECOMPUTE_MODES for m in modes):
+            raise PlanError(f"{where}: recompute must be one of {', '.join(RECOMPUTE_MODES)} "
+                            f"(or one of them per block), got {value!r}")
         return value if isinstance(value, str) else tuple(value)
     if key == "cp_mode":
         if value not in CP_MODES:

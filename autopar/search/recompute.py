@@ -9,12 +9,15 @@ time too, since step time grows with every stage's time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-MODES = ("none", "selective", "full")
+from autopar.cost.recompute_policy import RECOMPUTE_MODES
+
+MODES = RECOMPUTE_MODES  # most memory first
 MAX_COMBINATIONS = 4_000_000
 
 
@@ -23,6 +26,14 @@ class ModeCost:
     activation_bytes: float  # stored per micro-batch
     peak_bytes: float  # transient while the block's backward recomputes
     recompute_s: float
+
+
+def _combinations(types: list[tuple[int, list[ModeCost]]], modes: int) -> int:
+    """How many count vectors :func:`choose_recompute` enumerates over ``modes`` modes."""
+    total = 1
+    for count, _ in types:
+        total *= math.comb(count + modes - 1, modes - 1)
+    return total
 
 
 @lru_cache(maxsize=1024)
@@ -44,8 +55,12 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
                      ) -> tuple[list[dict[str, int]], float] | None:
     """Counts per mode for each (count, per-mode costs) type, or None if nothing fits.
 
-    Returns ([{mode: count} per type], recompute seconds).
+    Returns ([{mode: count} per type], recompute seconds). When every mode's count vectors
+    together pass ``MAX_COMBINATIONS`` (many block types of many blocks), mode ``op`` is left
+    out of the choice, which keeps the three coarser modes' exact answer.
     """
+    if "op" in allowed and _combinations(types, len(allowed)) > MAX_COMBINATIONS:
+        allowed = tuple(m for m in allowed if m != "op")
     idx = [MODES.index(m) for m in allowed]
     mem = np.zeros(1)
     time = np.zeros(1)

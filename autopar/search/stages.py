@@ -171,7 +171,7 @@ class StagePlanner:
         modes = ["none"] * count
         for indices, counts in zip(by_type.values(), chosen[0], strict=True):
             at = 0
-            for mode in ("full", "selective", "none"):  # deterministic: earliest blocks first
+            for mode in reversed(MODES):  # deterministic: earliest blocks first, least memory
                 for i in indices[at:at + counts.get(mode, 0)]:
                     modes[i - start] = mode
                 at += counts.get(mode, 0)

@@ -16,7 +16,7 @@ from autopar.cost.precision import Precision
 REFERENCE = Path(__file__).resolve().parent / "data" / "torchtitan_a100.yaml"
 MODELS = {"llama3_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama2_13b": "llama2-13b",
           "llama2_70b": "llama2-70b"}
-RECOMPUTE = {"selective_layer": "selective", "selective_op": "selective", "full": "full",
+RECOMPUTE = {"selective_layer": "selective", "selective_op": "op", "full": "full",
              "none": "none"}
 
 

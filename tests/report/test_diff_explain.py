@@ -41,7 +41,7 @@ def test_explain_block_shows_choice_and_alternatives(llama_tp8_plan) -> None:
     d = block_explain(plan, "model.layers.3")
     assert d["block"] == 4 and d["stage"] == 0
     assert d["recompute"] == plan.recompute[4]
-    assert set(d["recompute_options"]) == {"none", "selective", "full"}
+    assert set(d["recompute_options"]) == {"none", "selective", "op", "full"}
     full, none = d["recompute_options"]["full"], d["recompute_options"]["none"]
     assert full["activation_bytes"] < none["activation_bytes"] and full["recompute_s"] > 0
     assert set(d["tp_options"]) == {"1", "8"}
