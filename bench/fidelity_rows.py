@@ -20,6 +20,7 @@ import transformers
 import yaml
 
 import autopar
+from autopar.cost.hardware import load_cluster
 from autopar.errors import AutoparError
 from autopar.models import build_model, token_inputs
 from autopar.search.constraints import load_constraints
@@ -176,8 +177,10 @@ def predict(row: dict, free: bool) -> dict:
         load_constraints({k: ("full" if v == "every_other" else v)
                           for k, v in row["pins"].items()})
         graph = graph_of(row["model"])
-        kwargs = dict(devices=row["devices"], cluster=row["cluster"],
-                      global_batch=row["global_batch"])
+        cluster = row["cluster"]
+        if row.get("attention_kernel"):  # a fused kernel other than FlashAttention-2 ran
+            cluster = load_cluster(cluster).with_attention_kernel(row["attention_kernel"])
+        kwargs = dict(devices=row["devices"], cluster=cluster, global_batch=row["global_batch"])
         try:
             pinned = autopar.plan(graph, constraints=pins_for(row, graph), **kwargs)
         except autopar.InfeasibleError as exc:

@@ -48,6 +48,10 @@ class Efficiency:
     # doubled peak than bf16 ones of theirs); None: ``matmul`` (a profile whose peak_flops are
     # measured per dtype)
     matmul_fp8: float | None = None
+    # other fused attention kernels than the one ``attention_forward`` / ``attention_backward``
+    # price (FlashAttention-2, behind SDPA): (name, forward, backward) rates over peak, for a
+    # run that states which kernel it ran (:meth:`Cluster.with_attention_kernel`)
+    attention_kernels: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def sustained(self) -> float:
@@ -216,6 +220,21 @@ class Cluster:
         per = self.node.devices_per_node  # type: ignore[union-attr]
         return replace(self, nodes=max(1, -(-total // per)))
 
+    def with_attention_kernel(self, kernel: str) -> Cluster:
+        """This cluster with fused attention priced at the rates the catalog states for
+        ``kernel`` (``device.efficiency.attention_kernels``) instead of FlashAttention-2's."""
+        device = self.device
+        assert isinstance(device, DeviceSpec)
+        rates = {name: (fwd, bwd) for name, fwd, bwd in device.efficiency.attention_kernels}
+        if kernel not in rates:
+            known = ", ".join(sorted(rates)) or "none"
+            raise PlanError(f"cluster '{device.name}' states no rates for attention kernel "
+                            f"'{kernel}' (it states: {known})")
+        efficiency = replace(device.efficiency, attention_forward=rates[kernel][0],
+                             attention_backward=rates[kernel][1])
+        return replace(self, device=replace(device, efficiency=efficiency),
+                       devices_per_node=None)
+
     def perturbed(self, comm_slower: float = 1.0, overlap_scale: float = 1.0) -> Cluster:
         """This cluster with every collective ``comm_slower`` times slower (bandwidths divided,
         latencies multiplied) and the concurrent share of communication scaled by
@@ -291,6 +310,20 @@ def _refinements(d: dict) -> dict:
     return values
 
 
+def _attention_kernels(d: dict) -> tuple[tuple[str, float, float], ...]:
+    """``efficiency.attention_kernels``: {name: {forward: rate, backward: rate}, ...}."""
+    raw = d.get("attention_kernels") or {}
+    if not isinstance(raw, dict) or any(not isinstance(r, dict) or r.get("forward") is None
+                                        or r.get("backward") is None for r in raw.values()):
+        raise ValueError("efficiency.attention_kernels must map each kernel's name to "
+                         "{forward: rate, backward: rate}")
+    kernels = tuple((str(name), float(rates["forward"]), float(rates["backward"]))
+                    for name, rates in sorted(raw.items()))
+    if any(not (0 < f <= 1 and 0 < b <= 1) for _, f, b in kernels):
+        raise ValueError("efficiency.attention_kernels rates must lie in (0, 1]")
+    return kernels
+
+
 def parse_cluster(data: dict, where: str) -> Cluster:
     """Build a Cluster from a catalog mapping (the YAML's content)."""
     if not isinstance(data, dict):
@@ -322,6 +355,7 @@ def parse_cluster(data: dict, where: str) -> Cluster:
             efficiency=Efficiency(**_numbers(_section(dev, "efficiency", where, "device"),
                                              Efficiency, where, "device.efficiency"),
                                   matmul_by_flops=_flop_classes(dev["efficiency"], where),
+                                  attention_kernels=_attention_kernels(dev["efficiency"]),
                                   **_refinements(dev["efficiency"])),
             overlap=Overlap(**_numbers(_section(dev, "overlap", where, "device"), Overlap,
                                        where, "device.overlap")),

@@ -325,3 +325,25 @@ def test_a_profile_without_the_refinements_still_loads(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(PlanError, match="sustained_clock"):
         load_cluster(path)
+
+
+def test_a_run_can_name_the_attention_kernel_it_ran(tmp_path):
+    """``efficiency.attention_kernels``: a catalog states other fused attention kernels' rates;
+    ``with_attention_kernel`` prices a cluster's attention at them (FlashAttention in Triton
+    below FlashAttention-2, Dao 2023 Sec. 4.1), and an unknown kernel is a one-line PlanError."""
+    for name in ("a100-40g", "a100-80g", "h100-80g"):
+        plain = load_cluster(name)
+        triton = plain.with_attention_kernel("flash-attn-triton")
+        eff, fa2 = triton.device.efficiency, plain.device.efficiency
+        assert 0 < eff.attention_backward < fa2.attention_backward
+        assert 0 < eff.attention_forward < fa2.attention_forward
+        assert triton.node == plain.node and triton.cache_key != plain.cache_key
+    with pytest.raises(PlanError) as excinfo:
+        load_cluster("b200").with_attention_kernel("flash-attn-triton")
+    assert "flash-attn-triton" in _one_line_plan_error(excinfo)
+    data = yaml.safe_load((CATALOG / "a100-80g.yaml").read_text())
+    data["device"]["efficiency"]["attention_kernels"] = {"x": {"forward": 0.5}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match="attention_kernels"):
+        load_cluster(path)
