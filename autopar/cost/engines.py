@@ -137,6 +137,17 @@ ENGINE_FEATURES = {
 
 # Megatron-LM and Megatron-Core: pipeline chunks stated as layers per virtual stage
 MEGATRON_ENGINES = ("megatron", "megatron-core")
+
+
+def megatron_chunks_divide(engine: str, layers: int, chunks: int) -> bool:
+    """Whether Megatron splits ``layers`` evenly over ``chunks`` model chunks (pp x virtual
+    stages). Megatron-Core can also count the embedding and the loss as one layer each
+    (``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split``,
+    ``megatron/core/transformer/transformer_block.py``: ``get_num_layers_to_build`` adds one
+    per flag before dividing): Llama 3.1 405B's 126 layers over pp8 x vp8 run that way."""
+    if layers % chunks == 0:
+        return True
+    return engine == "megatron-core" and (layers + 2) % chunks == 0
 # engines that run each norm and rotary embedding as one fused kernel (Transformer Engine's
 # normalization, Megatron-Core's megatron/core/fusions/): autopar.cost.fused_regions.
 # Megatron-LM as the 2021-2022 papers ran it stays priced op by op, as it was

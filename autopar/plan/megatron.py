@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shlex
 
+from autopar.cost.engines import megatron_chunks_divide
 from autopar.plan.plan import Plan
 from autopar.plan.support import refuse_op_recompute
 
@@ -46,10 +47,15 @@ def megatron_args(plan: Plan) -> list[str]:
     if m.get("cp", 1) > 1:
         args += ["--context-parallel-size", str(m["cp"]),
                  "--cp-comm-type", _CP_COMM[plan.cp_mode]]
-    if plan.schedule == "interleaved" and plan.virtual_stages > 1 and \
-            layers % (m["pp"] * plan.virtual_stages) == 0:
-        args += ["--num-layers-per-virtual-pipeline-stage",
-                 str(max(1, layers // (m["pp"] * plan.virtual_stages)))]
+    chunks = m["pp"] * plan.virtual_stages
+    if plan.schedule == "interleaved" and plan.virtual_stages > 1 and layers % chunks == 0:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(max(1, layers // chunks))]
+    elif plan.schedule == "interleaved" and plan.virtual_stages > 1 and \
+            megatron_chunks_divide(plan.engine or "megatron", layers, chunks):
+        # the embedding and the loss each count as a layer (Megatron-Core)
+        args += ["--num-virtual-stages-per-pipeline-rank", str(plan.virtual_stages),
+                 "--account-for-embedding-in-pipeline-split",
+                 "--account-for-loss-in-pipeline-split"]
     per_stage = [sum(1 for b in plan.model["blocks"][start:end]
                      if b["name"] not in ("head", "tail", "root")) for start, end in plan.stages]
     if m["pp"] > 2 and len(set(per_stage[1:-1])) == 1 and (
@@ -110,8 +116,9 @@ def megatron_command(plan: Plan, gpus_per_node: int = 8) -> str:
         notes.append("the plan recomputes some layers selectively: Megatron-LM's selective "
                      "granularity covers every layer")
     if plan.schedule in ("zero_bubble", "gpipe") or (
-            plan.schedule == "interleaved" and "--num-layers-per-virtual-pipeline-stage"
-            not in megatron_args(plan)):
+            plan.schedule == "interleaved" and not {
+                "--num-layers-per-virtual-pipeline-stage",
+                "--num-virtual-stages-per-pipeline-rank"} & set(megatron_args(plan))):
         notes.append(f"the plan's {plan.schedule} schedule has no Megatron-LM argument here: "
                      f"1F1B runs")
     lines = [f"# Megatron-LM launch for an autopar plan ({plan.devices} devices)"]
@@ -191,6 +198,9 @@ def constraints_from_megatron(text: str, engine: str | None = "autopar") -> dict
         out["schedule"] = "interleaved"
         out["virtual_stages"] = int(values["--num-layers"]) // (
             out["pp"] * int(values["--num-layers-per-virtual-pipeline-stage"]))
+    elif "--num-virtual-stages-per-pipeline-rank" in values:
+        out["schedule"] = "interleaved"
+        out["virtual_stages"] = int(values["--num-virtual-stages-per-pipeline-rank"])
     elif out["pp"] > 1:
         out["schedule"] = "1f1b"  # Megatron's pipeline schedule without virtual stages
     granularity = values.get("--recompute-granularity")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.config import ParallelConfig, TPLayouts
-from autopar.cost.engines import MEGATRON_ENGINES
+from autopar.cost.engines import MEGATRON_ENGINES, megatron_chunks_divide
 from autopar.cost.estimate import Estimate, estimate
 from autopar.cost.hardware import Cluster
 from autopar.errors import InfeasibleError
@@ -126,7 +126,8 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                 for v in ((pins["virtual_stages"],) if "virtual_stages" in pins
                           else VIRTUAL_STAGES):
                     # Megatron-LM states virtual stages as layers per chunk: they must divide
-                    if base.engine in MEGATRON_ENGINES and facts.layers % (v * mesh.pp):
+                    if base.engine in MEGATRON_ENGINES and not megatron_chunks_divide(
+                            base.engine, facts.layers, v * mesh.pp):
                         continue
                     if v * mesh.pp <= facts.blocks and pins.get("virtual_stages", v) == v:
                         schedules.append((name, v))

@@ -126,3 +126,28 @@ def test_one_layer_per_virtual_stage_plans_on_megatron() -> None:
     explicit = autopar.plan(graph, devices=8, global_batch=8,
                             constraints=dict(pp=2, tp=1, stages=[[0, 40], [40, 98]]))
     assert explicit.stages == [[0, 40], [40, 98]]
+
+
+def test_megatron_core_counts_the_embedding_and_the_loss_as_layers_when_chunks_need_it() -> None:
+    """Llama 3.1 405B's 126 layers over pp8 x vp8 (Megatron-Bridge's published recipe) split
+    only with the embedding and the loss counted as layers: 6 layers + 2 over pp2 x vp2 here.
+    Megatron-Core runs it; Megatron-LM 2021 has no such flag and refuses it."""
+    import torch
+
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.plan.megatron import constraints_from_megatron, megatron_command
+
+    model = GPT(GPTConfig(n_layers=6, d_model=64, n_heads=4, seq_len=32))
+    graph = autopar.capture(model, (torch.zeros(1, 32, dtype=torch.long),))
+    pins = dict(pp=2, tp=1, schedule="interleaved", virtual_stages=2)
+    plan = autopar.plan(graph, devices=2, global_batch=4,
+                        constraints=dict(pins, engine="megatron-core"))
+    assert plan.schedule == "interleaved" and plan.virtual_stages == 2
+    command = megatron_command(plan)
+    assert "--num-virtual-stages-per-pipeline-rank 2" in command
+    assert "--account-for-embedding-in-pipeline-split" in command
+    assert "--account-for-loss-in-pipeline-split" in command
+    back = constraints_from_megatron(command, engine="megatron-core")
+    assert back["schedule"] == "interleaved" and back["virtual_stages"] == 2
+    with pytest.raises(autopar.InfeasibleError, match="divisibility"):
+        autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pins, engine="megatron"))
