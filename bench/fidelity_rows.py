@@ -7,6 +7,7 @@ dicts (no Plan objects), so rows can be predicted in worker processes (``predict
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import multiprocessing
 import os
@@ -94,8 +95,15 @@ def _capture(spec: dict) -> autopar.ir.Graph:
 
 def graph_of(spec: dict) -> autopar.ir.Graph:
     """The captured graph of a row's model: once per shape in this process, and from the disk
-    cache (``CACHE_DIR``) when the same code captured it before."""
+    cache (``CACHE_DIR``) when the same code captured it before. A spec's ``norm_kernel``
+    (``fused_rmsnorm``: the run's RMSNorms were one fused kernel, e.g. torchtitan's
+    ``norm_type = "fused_rmsnorm"``) is stated on a copy of the captured graph, which the
+    activation count reads (autopar.cost.activations.fused_norm_saved)."""
     key = shape_key(spec)
+    if key not in _GRAPHS and spec.get("norm_kernel"):
+        graph = copy.copy(graph_of({k: v for k, v in spec.items() if k != "norm_kernel"}))
+        graph.norm_kernel = spec["norm_kernel"]
+        _GRAPHS[key] = graph
     if key not in _GRAPHS:
         cached = None
         if CACHE_DIR is not None:

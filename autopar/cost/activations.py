@@ -17,6 +17,12 @@ parallelism divides the rest too. Recompute modes:
   inputs and the outputs of the ops the policy keeps (every other projection, the fused
   attention output and its log-sum-exp) are kept; the rest is re-run;
 - ``full``: only the block's inputs are kept.
+
+A model whose RMSNorms run as one fused kernel (``graph.norm_kernel == "fused_rmsnorm"``, e.g.
+torchtitan's Triton ``TritonFusedRMSNorm``, torchtitan/models/norms.py) keeps, per norm, only
+what that kernel saves: its input, in the input's dtype, and one fp32 reciprocal RMS per row
+(``ctx.save_for_backward(x, weight, rstd)``); the eager chain's fp32 upcast and normalized
+copies never exist. The norm's output is still kept by the ops that read it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ _BINARY = {"mul", "div", "true_divide", "pow", "maximum", "minimum"}
 # ops that save their output rather than their input
 _SAVE_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "relu", "sigmoid", "tanh",
                 "exp", "rsqrt", "sqrt", "_safe_softmax"}
+
+
+# norm kernels a model may state (``graph.norm_kernel``; "" is the captured eager graph)
+NORM_KERNELS = ("", "fused_rmsnorm")
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,38 @@ def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
     return SavedTensor(root, 0, nbytes, op.name)
 
 
+def fused_norm_saved(graph: Graph, block: Block) -> tuple[set[str], list[SavedTensor]]:
+    """(the ops of ``block``'s RMSNorms that run as one fused kernel, what those kernels save):
+    per norm module, its activation input (whole storage, as captured) and an fp32 rstd per
+    row. Empty unless the graph states ``norm_kernel = "fused_rmsnorm"``."""
+    kernel = getattr(graph, "norm_kernel", "")
+    if kernel not in NORM_KERNELS:
+        raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, not {kernel!r}")
+    if kernel != "fused_rmsnorm":
+        return set(), []
+    regions: dict[str, list[str]] = {}
+    for name in block.nodes:
+        op = graph.op(name)
+        if op.kind is OpKind.NORM and op.module_path and op.module_type.endswith("RMSNorm"):
+            regions.setdefault(op.module_path, []).append(name)
+    grad_ops = requires_grad(graph)
+    fused: set[str] = set()
+    saved: list[SavedTensor] = []
+    for ops in regions.values():
+        inside = set(ops)
+        fused |= inside
+        if not inside & grad_ops:
+            continue  # autograd records no backward for it
+        first = graph.op(ops[0])
+        outer = [(i, src) for i, src in enumerate(first.inputs) if src not in inside]
+        for i, src in outer[:1]:  # the activation (the weight is a parameter, not an input)
+            saved.append(_saved(graph, first, i, src))
+            meta = first.input_meta[i]
+            rows = meta.numel // max(meta.shape[-1], 1) if meta.shape else 1
+            saved.append(SavedTensor(ops[0] + ":rstd", 0, rows * 4, ops[0]))
+    return fused, saved
+
+
 @dataclass
 class ActivationBreakdown:
     """Per-micro-batch activation bytes of one block on one device."""
@@ -202,7 +244,14 @@ def block_activation_bytes(
 
     stored: dict[tuple[str, int], float] = {}
     everything: dict[tuple[str, int], float] = {}
+    fused_norm_ops, fused_norm_tensors = fused_norm_saved(graph, block)
+    for t in fused_norm_tensors:
+        nbytes = t.nbytes / divisor(t.root)
+        everything[(t.root, t.index)] = nbytes
+        stored.setdefault((t.root, t.index), nbytes)
     for name in block.nodes:
+        if name in fused_norm_ops:
+            continue  # saved as one kernel (fused_norm_saved)
         op = graph.op(name)
         for t in saved_tensors(graph, op, grad_ops):
             key = (t.root, t.index)
