@@ -243,8 +243,11 @@ def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task
             # the fastest partition fills memory to the brim; the same mesh with a little more
             # recompute (or another split) that keeps the allocator's margin competes too, so
             # a risky plan is chosen only when no lean one is near (robust.py)
-            if est.memory.total > MEMORY_RISK_FRACTION * capacity:
-                lean_cutoff = best[1].step_time_s * (1 + ROBUST_MARGIN)
+            lean_cutoff = best[1].step_time_s * (1 + ROBUST_MARGIN)
+            # a leaner split of the same mesh is no faster: worth pricing only when this one
+            # is itself within the margin
+            if est.memory.total > MEMORY_RISK_FRACTION * capacity and \
+                    est.step_time_s <= lean_cutoff:
                 lean, _ = best_partition(graph, cluster, replace(config, stages=cand.config.stages),
                                          MEMORY_RISK_FRACTION * capacity, host_capacity, task,
                                          pinned_recompute, lean_cutoff)
