@@ -31,6 +31,7 @@ import weakref
 from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
+from autopar.cost.compute import kernel_dtype
 from autopar.cost.config import TPLayouts
 from autopar.cost.recompute_policy import RECOMPUTE_MODES, op_policy_saved
 from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
@@ -220,12 +221,17 @@ def block_activation_bytes(
     recompute: str = "none",
     scale: float = 1.0,
     layouts: TPLayouts | None = None,
+    fp8: bool = False,
 ) -> ActivationBreakdown:
     """Activation bytes of ``block`` per micro-batch on one device.
 
     ``scale`` rescales every byte count, e.g. (micro-batch / captured batch) x (bytes of the
     training dtype / bytes of the captured dtype). ``layouts`` are the tensor-parallel layouts
-    the search chose (None: the Megatron layout).
+    the search chose (None: the Megatron layout). With ``fp8`` (FP8 compute), an input that
+    only FP8 linears save is kept in FP8, one byte per element: Transformer Engine's linears
+    save their quantized input with its column-wise data only, for the weight-gradient GEMM
+    (transformer_engine/pytorch/module/linear.py, ``inputmat.update_usage(rowwise_usage=False,
+    columnwise_usage=True)``); an input another op also saves stays in bf16.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
@@ -244,6 +250,7 @@ def block_activation_bytes(
 
     stored: dict[tuple[str, int], float] = {}
     everything: dict[tuple[str, int], float] = {}
+    only_fp8: dict[tuple[str, int], bool] = {}  # saved by FP8 linears alone
     fused_norm_ops, fused_norm_tensors = fused_norm_saved(graph, block)
     for t in fused_norm_tensors:
         nbytes = t.nbytes / divisor(t.root)
@@ -253,13 +260,20 @@ def block_activation_bytes(
         if name in fused_norm_ops:
             continue  # saved as one kernel (fused_norm_saved)
         op = graph.op(name)
+        fp8_gemm = fp8 and kernel_dtype(op, "fp8") == "fp8"
         for t in saved_tensors(graph, op, grad_ops):
             key = (t.root, t.index)
             nbytes = t.nbytes / divisor(t.root)
             everything[key] = nbytes
+            only_fp8[key] = only_fp8.get(key, True) and fp8_gemm
             if recompute == "selective" and op.name in core and t.root.split(":")[0] in core:
                 continue  # produced and saved inside the recomputed core
             stored.setdefault(key, nbytes)
+    for key, quantized in only_fp8.items():
+        if quantized:  # one byte per element, not bf16's two
+            everything[key] /= 2
+            if key in stored:
+                stored[key] /= 2
     if recompute in ("full", "op"):
         inputs: dict[str, float] = {}
         for name in block.nodes:

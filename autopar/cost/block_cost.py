@@ -226,7 +226,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             nbytes = dispatch[0].input_meta[0].nbytes * byte_scale
             ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
-                                  scale=byte_scale, layouts=config.tp_layouts)
+                                  scale=byte_scale, layouts=config.tp_layouts,
+                                  fp8=precision.compute == "fp8")
     kv = 0.0
     kv_split = cache_split(graph, block, layout, tp)
     for name in block.nodes:

@@ -106,3 +106,28 @@ def test_fp8_plan_is_faster_than_bf16_but_not_twice() -> None:
                             constraints={**pins, "precision": precision})
         step[name] = plan.predicted.step_time_s
     assert step["fp8"] < step["bf16"] < 2 * step["fp8"]
+
+
+def test_inputs_only_fp8_linears_save_are_kept_in_one_byte() -> None:
+    """Transformer Engine saves an FP8 linear's input quantized (column-wise only): the
+    tensors only linears save (a projection's input, SwiGLU's product before the down
+    projection) halve under FP8; what attention, norms and activations save stays bf16, so
+    the layer keeps more than half of its bf16 bytes."""
+    from autopar.cost.activations import block_activation_bytes, requires_grad, saved_tensors
+    from autopar.cost.compute import kernel_dtype
+
+    graph = autopar.capture("tiny-llama", seq=64)
+    layer = next(b for b in graph.blocks if b.role == "layer")
+    bf16 = block_activation_bytes(graph, layer).stored_bytes
+    fp8 = block_activation_bytes(graph, layer, fp8=True).stored_bytes
+    grad_ops = requires_grad(graph)
+    savers: dict = {}
+    for name in layer.nodes:
+        op = graph.op(name)
+        for t in saved_tensors(graph, op, grad_ops):
+            savers.setdefault((t.root, t.index), []).append((op, t.nbytes))
+    only_linear = sum(entries[0][1] for entries in savers.values()
+                      if all(kernel_dtype(op, "fp8") == "fp8" for op, _ in entries))
+    assert only_linear > 0
+    assert fp8 == pytest.approx(bf16 - only_linear / 2, rel=1e-6)
+    assert bf16 / 2 < fp8 < bf16
