@@ -62,37 +62,16 @@ class SavedTensor:
 
 
 def storage_root(graph: Graph, name: str) -> str:
-    """Follow views back to the op that owns the storage. A ``contiguous`` of a fused
-    attention output is one too: the flash kernels write the output as (batch, seq, heads,
-    head_dim) and return its (1, 2) transpose (PyTorch aten/src/ATen/native/transformers/
-    cuda/attention.cu, ``_scaled_dot_product_flash_attention_cuda``; the CPU flash kernel
-    likewise), so the model's transpose back and ``contiguous`` copy nothing."""
+    """Follow views back to the op that owns the storage (the capture already marks a
+    ``contiguous`` of a fused attention's transposed output as a view: it copies nothing)."""
     seen = 0
-    while graph.has_op(name) and seen < 64:
+    while graph.has_op(name) and graph.op(name).kind is OpKind.VIEW and seen < 64:
         op = graph.op(name)
-        if not op.inputs or not (op.kind is OpKind.VIEW or _is_flash_layout_copy(graph, op)):
+        if not op.inputs:
             break
         name = op.inputs[0]
         seen += 1
     return name
-
-
-def _is_flash_layout_copy(graph: Graph, op: OpNode) -> bool:
-    """Whether ``op`` is a ``contiguous`` of a transposed fused attention output (a no-op)."""
-    if packet_name(op.target) != "contiguous" or not op.inputs:
-        return False
-    name, transposed = op.inputs[0], False
-    for _ in range(8):
-        if not graph.has_op(name):
-            return False
-        src = graph.op(name)
-        if src.kind is OpKind.ATTENTION:
-            return transposed
-        if src.kind is not OpKind.VIEW or not src.inputs:
-            return False
-        transposed = transposed or packet_name(src.target) == "transpose"
-        name = src.inputs[0]
-    return False
 
 
 def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
