@@ -95,3 +95,24 @@ def rows_of_shared(weight: torch.Tensor, start: int, count: int,
     """Differentiable ``weight[start:start + count]`` of a weight replicated over ``group``
     whose rows the ranks use in parts (see :class:`_RowsOfShared`)."""
     return _RowsOfShared.apply(weight, start, count, group)
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Sum forward over ``group``, identity backward: the partial output of a layer whose
+    ranks each hold part of its input features (Megatron's ``g``). Every rank then holds the
+    whole output, and its gradient is already whole on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` summed over ``group``; the gradient passes through unchanged."""
+    return _ReduceFromGroup.apply(x, group)

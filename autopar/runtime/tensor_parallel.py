@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.graph_tp import shard_dims
 from autopar.runtime.tp_styles import (
     ColumnParallel,
     HeadSplit,
@@ -126,6 +127,39 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def graph_layers(model: nn.Module, plan: Plan) -> list[str]:
+    """The plan's layers that run from their own graph under tensor parallelism
+    (:class:`~autopar.runtime.graph_tp.GraphParallel`): those with a split parameter whose
+    class is neither a Hugging Face model's nor autopar's (whose module styles are tested per
+    family). Their Python code may read whole sizes or use weights outside their modules."""
+    present = dict(model.named_modules())
+    out = []
+    for name in layer_names(plan):
+        module = present.get(name)
+        if module is None or type(module).__module__.startswith(_MODULE_STYLED):
+            continue
+        if shard_dims(plan.placements["params"], name):
+            out.append(name)
+    return out
+
+
+_MODULE_STYLED = ("transformers.", "autopar.")
+
+
+def _graph_style(plan: Plan, layer: str) -> str:
+    """The GraphParallel expression of one layer: its split parameters and fused parts."""
+    params = shard_dims(plan.placements["params"], layer)
+    fused = {}
+    for module_path, parts in plan.placements.get("fused", {}).items():
+        if module_path == layer or module_path.startswith(layer + "."):
+            rel = module_path[len(layer) + 1:]
+            for name in params:
+                owner, _, _ = name.rpartition(".")
+                if owner == rel:
+                    fused[name] = list(parts)
+    return f"GraphParallel({params!r}, {fused!r})" if fused else f"GraphParallel({params!r})"
+
+
 def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
     """path -> "col" | "row" for the modules of ``model`` whose weight the plan splits over tp
     (tied weights stay replicated: one Parameter cannot carry two layouts)."""
@@ -181,7 +215,15 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     loss) instead of leaving it split for a vocabulary-parallel loss.
     """
     tied = tied_modules(model) if tied is None else tied
-    split = _split(model, plan, tied)
+    graphed = graph_layers(model, plan)
+    if graphed and plan.sequence_parallel:
+        raise PlanError(f"sequence parallelism for layers run from their graph ({graphed[0]}: "
+                        f"a {type(model.get_submodule(graphed[0])).__name__}) is not supported "
+                        f"yet; re-plan with constraints sequence_parallel=false")
+    if graphed and traced:
+        raise PlanError(f"tensor parallelism inside pipeline stages for layers run from their "
+                        f"graph ({graphed[0]}) is not supported yet; re-plan with pp=1 or tp=1")
+    split = {p: k for p, k in _split(model, plan, tied).items() if _under(p, graphed) is None}
     for path in split:
         _check_kind(path, model.get_submodule(path))
     fused = {p: parts for p, parts in plan.placements.get("fused", {}).items()
@@ -200,7 +242,7 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     else:
         present = dict(model.named_modules())
         for path, heads in plan.placements.get("heads", {}).items():
-            if path in present and any(k in ("col", "kv") and _under(p, [path])
+            if path in present and _under(path, graphed) is None and any(k in ("col", "kv") and _under(p, [path])
                                        for p, k in split.items()):
                 layout.heads[path] = tuple(heads)
     if plan.sequence_parallel:
@@ -209,6 +251,8 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
         styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
     for path in _head_split(model, plan):  # Prefix Tuning's prefixes, split by heads
         styles[path] = "HeadSplit()"
+    for layer in graphed:
+        styles[layer] = _graph_style(plan, layer)
     layout.styles = _in_model_order(model, styles)
     return layout
 
@@ -226,7 +270,9 @@ def _head_split(model: nn.Module, plan: Plan) -> list[str]:
 def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
     """The ParallelStyle objects a layout's source expressions describe (the names they use
     are the ones the generated program imports)."""
-    names = {"RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
+    from autopar.runtime.graph_tp import GraphParallel
+
+    names = {"GraphParallel": GraphParallel, "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
              "ColumnParallel": ColumnParallel, "RowParallel": RowParallel,
              "KvHeadReplicated": KvHeadReplicated, "HeadSplit": HeadSplit,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}

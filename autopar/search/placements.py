@@ -68,6 +68,8 @@ def fused_segments(graph: Graph, name: str) -> list[int] | None:
             # slices in program order: models cut q, k, v (or gate, up) front to back
             sizes = [u.output_meta[0].shape[-1] for u in users]
             return sizes if sum(sizes) == width else None
+        if len(users) == 1 and _packed_parts(graph, users[0], width):
+            return _packed_parts(graph, users[0], width)
         if len(users) == 1 and _packet(users[0].target) in _SPLITS:
             sizes = [m.shape[-1] for m in users[0].output_meta]
             return sizes if len(sizes) > 1 and sum(sizes) == width else None
@@ -78,6 +80,26 @@ def fused_segments(graph: Graph, name: str) -> list[int] | None:
             value = users[0].name
             continue
         return None
+    return None
+
+
+def _packed_parts(graph: Graph, view: OpNode, width: int) -> list[int] | None:
+    """nn.MultiheadAttention's packed projection: its output unflattened to ``[..., 3, E]``,
+    then moved around and cut by selecting each of the 3 (q, k, v) along that new dimension.
+    A heads-first view (GPT-NeoX's ``[..., heads, 3 * head_dim]``) is cut along its last
+    dimension instead, so only a select of every part counts."""
+    out = view.output_meta[0].shape if view.output_meta else ()
+    if view.kind is not OpKind.VIEW or len(out) < 2 or out[-2] * out[-1] != width or \
+            out[-1] == width or out[-2] not in (2, 3):
+        return None
+    count, value = out[-2], view.name
+    for _ in range(6):
+        users = [graph.op(u) for u in graph.dag.successors(value) if graph.has_op(u)]
+        if len(users) == count and all(_packet(u.target) == "select" for u in users):
+            return [width // count] * count
+        if len(users) != 1 or users[0].kind not in (OpKind.VIEW, OpKind.ELEMENTWISE):
+            return None
+        value = users[0].name
     return None
 
 
@@ -92,8 +114,10 @@ def attention_heads(graph: Graph) -> dict[str, list[int]]:
         kv = q[1]
         root = storage_root(graph, op.inputs[1])  # before any grouped-query repetition
         meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[1]
-        if len(meta.shape) == 4:
-            kv = meta.shape[1]
+        if len(meta.shape) == 4 and meta.shape[-1] == q[-1]:  # a (batch, heads, seq, dim)
+            kv = meta.shape[1]  # tensor, not a packed projection's storage
+        elif len(op.input_meta[1].shape) == 4:
+            kv = op.input_meta[1].shape[1]
         out.setdefault(op.module_path, [q[1], kv, q[-1]])
     return out
 

@@ -1,0 +1,163 @@
+"""Tensor parallelism for models written the way people write them (no Hugging Face or autopar
+class): a GPT whose attention is one fused qkv linear cut by ``split`` before SDPA, and a ViT
+of ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``'s packed ``in_proj_weight``).
+Their layers run from their own graph (GraphParallel). Plans are drawn from ``autopar.plan``;
+each trains in the user's own loop through ``autopar.parallelize`` (and the GPT also through
+the generated program) and must equal one process: losses over steps and every parameter's
+gradient at the first step, with the split weights really split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autopar
+from tests.fixtures.plain_models import make_gpt, make_vit
+
+from .harness import run_in_group, run_ranks, spawn_ranks
+
+pytestmark = pytest.mark.dist
+STEPS, BATCH = 4, 4
+FACTORIES = {"gpt": make_gpt, "vit": make_vit}
+
+
+def _batches(name: str):
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    if name == "gpt":
+        return [(ids[:, :-1], ids[:, 1:]) for ids in
+                (torch.randint(0, 128, (BATCH, 33), generator=g) for _ in range(STEPS))]
+    return [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 10, (BATCH,),
+                                                                         generator=g))
+            for _ in range(STEPS)]
+
+
+def _loss(output, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(p for p in name.removeprefix("module.").split(".")
+                    if p not in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module"))
+
+
+def _gradients(model) -> dict:
+    import torch
+
+    from autopar.runtime.tp_styles import FUSED_ATTR
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        owner, _, leaf = name.rpartition(".")
+        fused = getattr(model.get_submodule(owner), FUSED_ATTR, {}).get(leaf)
+        if fused is not None:  # a fused projection's rows, back in the model's order
+            g = g.index_select(fused[0], torch.argsort(fused[1]))
+        out[_plain_name(name)] = g.detach().float().numpy().copy()
+    return out
+
+
+def _own_loop(rank: int, port: int, out, world: int, name: str, plan_dict: dict | None
+              ) -> None:
+    run_in_group(rank, port, out, world, _train, name, plan_dict)
+
+
+def _train(name: str, plan_dict: dict | None) -> tuple:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from autopar.plan import Plan
+    from autopar.runtime.apply import optimizer
+
+    torch.manual_seed(0)
+    model, _ = FACTORIES[name]()  # every rank builds the same weights
+    dp, mine = 1, 0
+    if plan_dict is not None:
+        plan = Plan.from_dict(plan_dict)
+        dp = plan.mesh["dp"]
+        mine = dist.get_rank() // plan.mesh["tp"]  # the mesh is (dp, tp), tp innermost
+        model = autopar.parallelize(model, plan)
+        opt = optimizer(model, plan, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    share = BATCH // dp
+    losses, grads = [], None
+    for step, (inputs, target) in enumerate(_batches(name)):
+        rows = slice(mine * share, (mine + 1) * share)
+        loss = _loss(model(inputs[rows]), target[rows])
+        loss.backward()
+        if step == 0:
+            grads = _gradients(model)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(total)
+            total /= dist.get_world_size()  # every rank of a dp group holds the same loss
+        losses.append(float(total))
+    split = {}  # parameter -> its placement over the tensor-parallel ranks
+    for n, p in model.named_parameters():
+        names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if "tp" in names:
+            split[_plain_name(n)] = str(p.placements[names.index("tp")])
+    return losses, grads, split
+
+
+def _plan(name: str, devices: int, pins: dict):
+    model, example = FACTORIES[name]()
+    graph = autopar.capture(model, example)
+    return autopar.plan(graph, devices=devices, global_batch=BATCH,
+                        constraints=dict(pins, precision="fp32", sequence_parallel=False))
+
+
+def _assert_equal(expected: tuple, got: tuple) -> None:
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-4, atol=1e-5)
+    assert set(got[1]) == set(expected[1])
+    for key, value in expected[1].items():
+        np.testing.assert_allclose(got[1][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return {name: spawn_ranks(_own_loop, 1, (1, name, None))[0] for name in FACTORIES}
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
+                                          (2, dict(tp=2, recompute="full"))],
+                         ids=["tp2", "tp2xdp2", "tp2-recompute"])
+def test_plain_models_split_by_tensor_parallelism_equal_one_process(single, name, devices,
+                                                                    pins) -> None:
+    plan = _plan(name, devices, pins)
+    assert plan.mesh["tp"] == 2
+    got = spawn_ranks(_own_loop, devices, (devices, name, plan.to_dict()))[0]
+    _assert_equal(single[name], got)
+    split = got[2]
+    attention = "attn.c_attn.weight" if name == "gpt" else "self_attn.in_proj_weight"
+    halves = [n for n, placement in split.items() if n.endswith(attention)
+              and placement == "S(0)"]
+    assert len(halves) == 4, f"the fused attention projections are not split: {split}"
+
+
+def test_plain_gpt_through_the_generated_program_equals_one_process() -> None:
+    source = {"kind": "factory", "spec": "tests.fixtures.plain_models:make_gpt"}
+    model, example = make_gpt()
+    graph = autopar.capture(model, example)
+    constraints = dict(precision="fp32", sequence_parallel=False)
+    plan = autopar.plan(graph, devices=2, global_batch=BATCH, constraints=dict(constraints, tp=2))
+    single = autopar.plan(graph, devices=1, global_batch=BATCH,
+                          constraints=dict(constraints, microbatch_size=plan.microbatch_size))
+    want = run_ranks(source, single, steps=STEPS, first_grads=True)
+    got = run_ranks(source, plan, steps=STEPS, first_grads=True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    assert got[1] > 0  # weights really are split
+    for key, value in want[2].items():
+        np.testing.assert_allclose(got[2][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
