@@ -6,6 +6,8 @@ vocab_emb_dp), the optimizer shard in ``parallel.enable_parallel_optimizer`` (ol
 top-level ``optimizer_shard``), recompute in ``recompute_config`` (``recompute`` and
 ``select_recompute``: a switch, or one layer count per pipeline stage), the per-card
 micro-batch in ``runner_config.batch_size``, and the model in ``model.model_config``.
+The global batch it trains is data_parallel x micro_batch_num x batch_size (each 1 when
+absent): the translation pins all three, so the file states its global batch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ def constraints_from_mindformers(data: dict, engine: str = "autopar") -> dict:
                      ("context_parallel", "cp")):
         if src in pc:
             out[dst] = pc[src]
+    # absent, MindFormers keeps experts whole (expert_parallel 1): pinned, the file states its
+    # data-parallel replicas and so its global batch
+    ep = out.setdefault("ep", 1)
+    if "dp" in out and isinstance(ep, int) and ep > 1 and isinstance(out["dp"], int):
+        # MindFormers' expert_parallel splits the data-parallel ranks (device_num is
+        # dp x mp x pp); autopar's ep is its own mesh axis beside dp, each seeing other data
+        if out["dp"] % ep:
+            raise ValueError(f"expert_parallel {ep} does not divide data_parallel "
+                             f"{out['dp']}; MindFormers needs data_parallel to be a multiple "
+                             f"of expert_parallel")
+        out["dp"] //= ep
+    batch = (data.get("runner_config") or {}).get("batch_size")
+    # the global batch MindFormers trains: micro_batch_num micro-batches of batch_size per
+    # data-parallel rank (absent, each is 1), so that planning without a global batch takes
+    # the file's and a contradicting one is refused (default_global_batch)
+    out["microbatch_size"] = batch if batch is not None else 1
+    out.setdefault("num_microbatches", 1)
     # MindFormers' context_parallel_algo: colossalai_cp is a ring, ulysses_cp all-to-all,
     # hybrid_cp all-to-all inside a group and a ring across
     algo = _CP_ALGOS.get(str(pc.get("context_parallel_algo", "")))
@@ -52,9 +71,6 @@ def constraints_from_mindformers(data: dict, engine: str = "autopar") -> dict:
             out["schedule"] = "1f1b"
     if "vocab_emb_dp" in pc:  # embedding table data-parallel: whole on every model-parallel rank
         out["vocab_parallel"] = not pc["vocab_emb_dp"]
-    batch = (data.get("runner_config") or {}).get("batch_size")
-    if batch:
-        out["microbatch_size"] = int(batch)
     shard = (data.get("parallel") or {}).get("enable_parallel_optimizer",
                                                data.get("optimizer_shard"))
     if shard is not None:
@@ -142,7 +158,7 @@ def mindformers_yaml(plan: Plan) -> dict:
               if b["name"] not in ("head", "tail", "root")]
     modes = {mode for _, mode in layers}
     out = {
-        "parallel_config": {"data_parallel": m["dp"], "model_parallel": m["tp"],
+        "parallel_config": {"data_parallel": m["dp"] * m["ep"], "model_parallel": m["tp"],
                             "pipeline_stage": m["pp"], "expert_parallel": m["ep"],
                             "micro_batch_num": plan.num_microbatches,
                             "use_seq_parallel": bool(plan.sequence_parallel and m["tp"] > 1),

@@ -11,6 +11,7 @@ import yaml
 
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
+from autopar.plan.tp_entries import validate_tp_entries
 
 PLAN_VERSION = 3
 # version 1 lacks what the report needs beyond the summary (time breakdown, per-stage idle, the
@@ -223,6 +224,12 @@ class Plan:
             except (KeyError, TypeError, ValueError) as exc:
                 raise PlanError(f"{where}: precision {self.precision} is not valid ({exc}); "
                                 f"give param, compute and reduce as fp32, bf16 or fp16") from None
+        if not isinstance(self.placements, dict) or \
+                not isinstance(self.placements.get("params", {}), dict):
+            raise PlanError(f"{where}: placements must map params to placements; re-plan with "
+                            f"autopar compile")
+        # a fused projection's parts and an attention's heads, as the runtime splits them
+        validate_tp_entries(self.placements, mesh["tp"], where)
 
     # -- reading ----------------------------------------------------------------------------
     def recompute_counts(self) -> dict[str, int]:

@@ -18,7 +18,9 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
+from autopar.plan.tp_entries import FIX
 from autopar.runtime.expert_parallel import check_expert_parallel
+from autopar.runtime.model_heads import heads_mismatch, output_features
 from autopar.runtime.parallelize import (
     apply_recompute,
     replicate_data_parallel,
@@ -36,6 +38,35 @@ def check_module_paths(model: nn.Module, plan: Plan) -> None:
         raise PlanError(f"the plan places {len(missing)} parameters the model does not have "
                         f"(e.g. {missing[0]}); it was planned for another model: plan this "
                         f"one (autopar compile, or autopar.plan)")
+
+
+def check_tp_entries(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan whose ``placements.fused`` / ``placements.heads`` entries no longer match
+    ``model`` (hand-edited, or planned for another shape), from what the modules hold, before
+    any work: a fused projection's parts must add up to its output features, a heads entry
+    must name an attention module of the model whose head counts and widths it agrees with.
+    Otherwise tensor parallelism cuts the wrong rows and every rank fails inside the model."""
+    modules = dict(model.named_modules())
+    fused = plan.placements.get("fused") or {}
+    for path, parts in fused.items():
+        module = modules.get(path)
+        if module is None:
+            raise PlanError(f"the plan's placements.fused names {path}, which the model does "
+                            f"not have; {FIX}")
+        width = output_features(module)
+        if width is not None and sum(parts) != width:
+            raise PlanError(f"the plan's placements.fused[{path}] {parts} adds up to "
+                            f"{sum(parts)}, but the model's {path} has {width} output "
+                            f"features; {FIX}")
+    for path, (q, kv, head_dim) in (plan.placements.get("heads") or {}).items():
+        module = modules.get(path)
+        if module is None:
+            raise PlanError(f"the plan's placements.heads names {path}, which the model does "
+                            f"not have; {FIX}")
+        wrong = heads_mismatch(module, path, [q, kv, head_dim], fused)
+        if wrong:
+            raise PlanError(f"the plan's placements.heads[{path}] {[q, kv, head_dim]} does not "
+                            f"match the model: {wrong}; {FIX}")
 
 
 def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
@@ -68,6 +99,7 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
         if applied_method(model) is None:
             apply_peft(model, plan.peft)
     check_module_paths(model, plan)
+    check_tp_entries(model, plan)
     from autopar.runtime.mesh import build_mesh, single_process_mesh
 
     if plan.mesh["pp"] > 1:

@@ -18,7 +18,7 @@ from autopar.errors import PlanError
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
-from autopar.runtime.apply import check_module_paths
+from autopar.runtime.apply import check_module_paths, check_tp_entries
 from autopar.runtime.expert_parallel import (
     ExpertParallelExperts,
     check_expert_parallel,
@@ -98,6 +98,7 @@ class Trainer:
         self.rdrop_alpha = getattr(model, RDROP_ATTR, None)
         self.evaluating = False  # autopar.runtime.evaluate runs forward-only passes
         check_module_paths(model, plan)
+        check_tp_entries(model, plan)
         self.vocab = _vocab(model, plan)
         self.seq = next(iter(plan.model["inputs"].values()))[1]
         from autopar.runtime.dataset import open_source

@@ -68,6 +68,8 @@ def plan(
     pins = load_constraints(constraints)
     if global_batch is None:
         global_batch = default_global_batch(pins, devices)
+    else:
+        _check_stated_batch(pins, global_batch)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     hw = load_cluster(cluster)
@@ -136,6 +138,21 @@ def default_global_batch(pins: dict, devices: int) -> int:
     if None in implied:
         return devices
     return implied[0] * pins.get("ep", 1) * implied[1] * implied[2]
+
+
+def _check_stated_batch(pins: dict, global_batch: int) -> None:
+    """A global batch given beside constraints that state another (another engine's config
+    pins dp, ep, micro-batch size and micro-batches) is refused naming both: the search
+    could only fail on it by divisibility."""
+    stated = [pins.get(k) for k in ("dp", "ep", "microbatch_size", "num_microbatches")]
+    if None in stated or not isinstance(global_batch, int):
+        return  # an unpinned ep or batch axis leaves the search a choice
+    dp, ep, micro, count = stated
+    if dp * ep * micro * count != global_batch:
+        raise PlanError(f"global batch {global_batch} contradicts the {dp * ep * micro * count} "
+                        f"the constraints state (dp*ep {dp * ep} x micro-batch size {micro} x "
+                        f"{count} micro-batches); give {dp * ep * micro * count} or no global "
+                        f"batch, or pin another microbatch_size / num_microbatches")
 
 
 def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, task: str,

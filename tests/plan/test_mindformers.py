@@ -113,3 +113,43 @@ def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> N
                                    "engine=megatron", "--out", str(tmp_path / "b"), "-q"),
                            "for another model", "hidden_size 8192 (the model has 4096)")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_mindformers_file_states_its_global_batch() -> None:
+    """MindFormers trains data_parallel x micro_batch_num x batch_size sequences a step (each
+    1 when absent); expert_parallel splits the data-parallel ranks rather than adding some."""
+    from autopar.plan.mindformers import constraints_from_mindformers
+    from autopar.search.api import default_global_batch
+
+    real = constraints_from_mindformers(yaml.safe_load(REAL.read_text()))
+    assert (real["dp"], real["ep"], real["microbatch_size"], real["num_microbatches"]) == \
+        (2, 1, 1, 256)
+    assert default_global_batch(real, 64) == 512
+    bare = constraints_from_mindformers({"parallel_config": {"data_parallel": 8,
+                                                             "model_parallel": 8}})
+    assert default_global_batch(bare, 64) == 8  # one micro-batch of one sequence per replica
+    moe = constraints_from_mindformers({"parallel_config": {
+        "data_parallel": 8, "expert_parallel": 4, "micro_batch_num": 2},
+        "runner_config": {"batch_size": 2}})
+    assert (moe["dp"], moe["ep"]) == (2, 4) and default_global_batch(moe, 8) == 32
+    with pytest.raises(ValueError, match="expert_parallel 4 does not divide data_parallel 6"):
+        constraints_from_mindformers({"parallel_config": {"data_parallel": 6,
+                                                          "expert_parallel": 4}})
+
+
+def test_the_real_mindformers_yaml_plans_the_global_batch_it_states(tmp_path) -> None:
+    """Without --global-batch the Llama-2-70B file plans its own 2 x 256 x 1 = 512; a
+    --global-batch that contradicts it is refused in one line naming both. (Sequence
+    parallelism is unpinned here only because the runtime still refuses it inside pipeline
+    stages: that refusal is not what this test is about.)"""
+    args = ("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL),
+            "--constraints", "sequence_parallel=false", "-q")
+    made = cli_here(*args, "--out", str(tmp_path / "a"))
+    assert made.returncode == 0, made.stderr
+    assert "global 512 = dp*ep 2 x micro-batch 1 x 256 micro-batches" in made.stdout
+    plan = autopar.Plan.load(tmp_path / "a" / "plan.yaml")
+    assert (plan.global_batch, plan.mesh["dp"], plan.microbatch_size,
+            plan.num_microbatches) == (512, 2, 1, 256)
+    _assert_one_line_error(cli_here(*args, "--global-batch", "64", "--out",
+                                    str(tmp_path / "b")), "global batch 64", "512")
+    assert not (tmp_path / "b").exists()
