@@ -33,6 +33,7 @@ from autopar.errors import PlanError
 from autopar.runtime.comm import copy_to_group, reduce_from_group
 from autopar.runtime.graph_split import Collectives, Refused, split_graph
 from autopar.runtime.tp_styles import FUSED_ATTR, _distribute, fused_index
+from autopar.runtime.traced_stage import ORIGINAL_ATTR
 
 _SHARD = re.compile(r"^Shard\((\d+)\)@tp")
 
@@ -81,7 +82,9 @@ class GraphParallel(ParallelStyle):
         if unknown:
             raise PlanError(f"the plan splits {unknown[0]}, which this layer does not have; "
                             f"re-plan this model")
-        template = copy.deepcopy(module).to("meta")  # whole shapes, to export from
+        # whole shapes, to export from: the model's own layer when this is a traced copy
+        source = getattr(module, ORIGINAL_ATTR, module)
+        template = copy.deepcopy(source).to("meta")
         tp = device_mesh.size()
         for name, dim in self.params.items():
             owner_path, _, leaf = name.rpartition(".")

@@ -220,9 +220,6 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
         raise PlanError(f"sequence parallelism for layers run from their graph ({graphed[0]}: "
                         f"a {type(model.get_submodule(graphed[0])).__name__}) is not supported "
                         f"yet; re-plan with constraints sequence_parallel=false")
-    if graphed and traced:
-        raise PlanError(f"tensor parallelism inside pipeline stages for layers run from their "
-                        f"graph ({graphed[0]}) is not supported yet; re-plan with pp=1 or tp=1")
     split = {p: k for p, k in _split(model, plan, tied).items() if _under(p, graphed) is None}
     for path in split:
         _check_kind(path, model.get_submodule(path))

@@ -21,8 +21,23 @@ def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
     and DTensor taught the CPU attention kernel's head-parallel sharding."""
     present = {n for n, _ in stage.named_modules()}
     register_cpu_attention_sharding()
+    link_originals(stage, original)
     restore_leaves(stage, original, [p for p in leaves if p in present])
     split_fused_outputs(stage, {p: v for p, v in fused.items() if p in present})
+
+
+ORIGINAL_ATTR = "_autopar_original"
+
+
+def link_originals(stage: nn.Module, original: nn.Module) -> None:
+    """Point each traced submodule of a stage at the module of ``original`` it was traced
+    from: a layer run from its graph (graph_tp) is exported from the model's own code, which
+    the trace may have simplified in ways only its first shapes allowed (a ``contiguous``
+    dropped where the traced kernel's strides made it a no-op). Kept out of the module tree."""
+    have = dict(original.named_modules())
+    for path, module in stage.named_modules():
+        if path and path in have and hasattr(module, "graph"):
+            object.__setattr__(module, ORIGINAL_ATTR, have[path])
 
 
 def restore_leaves(stage: nn.Module, original: nn.Module, split: list[str]) -> None:

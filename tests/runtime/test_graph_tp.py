@@ -41,8 +41,11 @@ def _loss(output, target):
 
 
 def _plain_name(name: str) -> str:
-    return ".".join(p for p in name.removeprefix("module.").split(".")
-                    if p not in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module"))
+    parts = [p for p in name.removeprefix("module.").split(".")
+             if p not in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")]
+    if parts and parts[0].isdigit() and len(parts) > 1 and not parts[1].isdigit():
+        parts = parts[1:]  # a pipeline's ModuleList of stages
+    return ".".join(parts)
 
 
 def _gradients(model) -> dict:
@@ -79,12 +82,15 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
 
     torch.manual_seed(0)
     model, _ = FACTORIES[name]()  # every rank builds the same weights
-    dp, mine = 1, 0
+    dp, mine, pipe = 1, 0, None
     if plan_dict is not None:
         plan = Plan.from_dict(plan_dict)
         dp = plan.mesh["dp"]
-        mine = dist.get_rank() // plan.mesh["tp"]  # the mesh is (dp, tp), tp innermost
-        model = autopar.parallelize(model, plan)
+        # the mesh is (pp, dp, tp), tp innermost
+        mine = dist.get_rank() % (dp * plan.mesh["tp"]) // plan.mesh["tp"]
+        example = _batches(name)[0][0][:plan.microbatch_size]
+        model = autopar.parallelize(model, plan, example=example, loss_fn=_loss)
+        pipe = model if plan.mesh["pp"] > 1 else None
         opt = optimizer(model, plan, lr=1e-2)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -92,10 +98,13 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
     losses, grads = [], None
     for step, (inputs, target) in enumerate(_batches(name)):
         rows = slice(mine * share, (mine + 1) * share)
-        loss = _loss(model(inputs[rows]), target[rows])
-        loss.backward()
+        if pipe is not None:
+            loss = pipe.step(inputs[rows], target=target[rows])  # forward and backward
+        else:
+            loss = _loss(model(inputs[rows]), target[rows])
+            loss.backward()
         if step == 0:
-            grads = _gradients(model)
+            grads = _gradients(pipe.modules if pipe is not None else model)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -103,6 +112,11 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
             dist.all_reduce(total)
             total /= dist.get_world_size()  # every rank of a dp group holds the same loss
         losses.append(float(total))
+    if pipe is not None:  # every stage's gradients, by the plain model's names
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, grads)
+        grads = {k: v for d in everyone for k, v in d.items()}
+        model = pipe.modules
     split = {}  # parameter -> its placement over the tensor-parallel ranks
     for n, p in model.named_parameters():
         names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
@@ -132,8 +146,9 @@ def single() -> dict:
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 @pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
-                                          (2, dict(tp=2, recompute="full"))],
-                         ids=["tp2", "tp2xdp2", "tp2-recompute"])
+                                          (2, dict(tp=2, recompute="full")),
+                                          (4, dict(pp=2, tp=2, schedule="1f1b"))],
+                         ids=["tp2", "tp2xdp2", "tp2-recompute", "pp2xtp2"])
 def test_plain_models_split_by_tensor_parallelism_equal_one_process(single, name, devices,
                                                                     pins) -> None:
     plan = _plan(name, devices, pins)
@@ -142,9 +157,10 @@ def test_plain_models_split_by_tensor_parallelism_equal_one_process(single, name
     _assert_equal(single[name], got)
     split = got[2]
     attention = "attn.c_attn.weight" if name == "gpt" else "self_attn.in_proj_weight"
-    halves = [n for n, placement in split.items() if n.endswith(attention)
-              and placement == "S(0)"]
-    assert len(halves) == 4, f"the fused attention projections are not split: {split}"
+    held = {n: placement for n, placement in split.items() if n.endswith(attention)}
+    # rank 0 holds every layer, or its pipeline stage's
+    assert held and set(held.values()) == {"S(0)"}, f"fused projections not split: {split}"
+    assert plan.mesh["pp"] > 1 or len(held) == 4
 
 
 def test_plain_gpt_through_the_generated_program_equals_one_process() -> None:
