@@ -218,7 +218,8 @@ def report_data(plan: Plan) -> dict:
         "stages": _stage_rows(plan), "runner_ups": _runner_ups(plan), "bounds": _bounds(plan),
         "solver": {k: plan.solver.get(k) for k in ("gap", "bound_s", "evaluated",
                                                     "pruned_by_bound", "rejected", "timed_out",
-                                                    "method", "sharding")},
+                                                    "method", "sharding",
+                                                    "tensor_parallel_refused")},
         "block_types": _block_types(plan), "notes": _notes(plan),
     }
 

@@ -19,7 +19,6 @@ ones it was traced at. Parameters are read at each call (FSDP swaps them), as lo
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,27 +28,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.capture.layer_graph import export_layer, split_layer_graph
+from autopar.capture.layer_split import Collectives
 from autopar.errors import PlanError
 from autopar.runtime.comm import copy_to_group, reduce_from_group
-from autopar.runtime.graph_split import Collectives, Refused, split_graph
 from autopar.runtime.tp_styles import FUSED_ATTR, _distribute, fused_index
 from autopar.runtime.traced_stage import ORIGINAL_ATTR
-
-_SHARD = re.compile(r"^Shard\((\d+)\)@tp")
-
-
-def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
-    """The tensor-parallel shard dimension of each parameter of ``layer`` (relative names)
-    from a plan's parameter placements (``Shard(d)@tp...``)."""
-    out = {}
-    for fqn, placement in placements.items():
-        if fqn.startswith(layer + ".") and "@tp" in placement:
-            match = _SHARD.match(placement)
-            if match is None:
-                raise PlanError(f"the plan places {fqn} as {placement}, which a layer run from "
-                                f"its graph cannot hold (only Shard(d)@tp); re-plan with tp=1")
-            out[fqn[len(layer) + 1:]] = int(match.group(1))
-    return dict(sorted(out.items()))
 
 
 class _Copy(nn.Module):
@@ -82,9 +66,9 @@ class GraphParallel(ParallelStyle):
         if unknown:
             raise PlanError(f"the plan splits {unknown[0]}, which this layer does not have; "
                             f"re-plan this model")
-        # whole shapes, to export from: the model's own layer when this is a traced copy
-        source = getattr(module, ORIGINAL_ATTR, module)
-        template = copy.deepcopy(source).to("meta")
+        # whole shapes, to export from (before the split): the model's own layer when this
+        # is a traced copy of it
+        template = copy.deepcopy(getattr(module, ORIGINAL_ATTR, module)).to("meta")
         tp = device_mesh.size()
         for name, dim in self.params.items():
             owner_path, _, leaf = name.rpartition(".")
@@ -154,63 +138,17 @@ class _GraphRunner:
         return pytree.tree_unflatten(results, out_spec)
 
     def _build(self, args, kwargs):
-        meta = pytree.tree_map_only(torch.Tensor, _meta_like, (args, kwargs))
-        self.template.train(self.module.training)
-        path = type(self.module).__name__
-        try:
-            # no autograd while tracing: a first call inside activation checkpointing would
-            # otherwise count the trace's saved tensors against the recomputation's
-            with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                program = torch.export.export(self.template, meta[0], meta[1], strict=False)
-        except Exception as exc:  # noqa: BLE001 - any export failure is the same refusal
-            raise PlanError(f"tensor parallelism could not trace a {path} layer "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
-                            f"re-plan with constraints tp=1") from None
-        gm, signature = program.graph_module, program.graph_signature
-        kinds, parts = _kinds(gm, signature, self.params, self.fused, path)
+        program = export_layer(self.template, args, kwargs, self.module.training)
         group = self.mesh.get_group()
-        try:
-            split_graph(gm, kinds, parts, self.mesh.size(),
-                        Collectives(copy=_Copy(group), reduce=_Reduce(group)))
-        except Refused as exc:
-            raise PlanError(f"tensor parallelism cannot split a {path} layer as planned: {exc}; "
-                            f"re-plan with constraints tp=1") from None
-        return (gm, signature, program.call_spec.in_spec, program.call_spec.out_spec,
-                dict(program.constants))
-
-
-def _kinds(gm, signature, params: dict[str, int], fused: dict[str, list[int]], path: str):
-    """Placeholder name -> "col" | "row" for each split parameter, by the op that reads it."""
-    by_target = {s.target: s.arg.name for s in signature.input_specs
-                 if s.kind == InputKind.PARAMETER}
-    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    kinds, parts = {}, {}
-    for name, dim in params.items():
-        node = nodes.get(by_target.get(name, ""))
-        if node is None:
-            continue  # not read by this call (a branch not taken)
-        for user in node.users:
-            linear = user.target is torch.ops.aten.linear.default
-            if linear and user.args[1] is node and dim in (0, 1):
-                kinds[node.name] = "col" if dim == 0 else "row"
-            elif linear and len(user.args) > 2 and user.args[2] is node and dim == 0:
-                kinds.setdefault(node.name, "bias")
-            else:
-                raise PlanError(f"the plan splits {name} of a {path} layer along dim {dim}, "
-                                f"but the layer reads it in {user.target}, which a split "
-                                f"cannot follow; re-plan with constraints tp=1")
-        if name in fused:
-            parts[node.name] = tuple(fused[name])
-    return kinds, parts
+        gm = split_layer_graph(program, self.params, self.fused, self.mesh.size(),
+                               Collectives(copy=_Copy(group), reduce=_Reduce(group)),
+                               type(self.module).__name__)
+        return (gm, program.graph_signature, program.call_spec.in_spec,
+                program.call_spec.out_spec, dict(program.constants))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(_local(t).shape, dtype=t.dtype, device="meta",
-                       requires_grad=t.requires_grad)
 
 
 def _call_key(args, kwargs) -> tuple:

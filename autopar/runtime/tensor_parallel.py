@@ -27,9 +27,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from autopar.capture.layer_graph import fused_parts, runs_from_graph, shard_dims
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.runtime.graph_tp import shard_dims
 from autopar.runtime.tp_styles import (
     ColumnParallel,
     HeadSplit,
@@ -136,27 +136,17 @@ def graph_layers(model: nn.Module, plan: Plan) -> list[str]:
     out = []
     for name in layer_names(plan):
         module = present.get(name)
-        if module is None or type(module).__module__.startswith(_MODULE_STYLED):
+        if module is None or not runs_from_graph(module):
             continue
         if shard_dims(plan.placements["params"], name):
             out.append(name)
     return out
 
 
-_MODULE_STYLED = ("transformers.", "autopar.")
-
-
 def _graph_style(plan: Plan, layer: str) -> str:
     """The GraphParallel expression of one layer: its split parameters and fused parts."""
     params = shard_dims(plan.placements["params"], layer)
-    fused = {}
-    for module_path, parts in plan.placements.get("fused", {}).items():
-        if module_path == layer or module_path.startswith(layer + "."):
-            rel = module_path[len(layer) + 1:]
-            for name in params:
-                owner, _, _ = name.rpartition(".")
-                if owner == rel:
-                    fused[name] = list(parts)
+    fused = fused_parts(plan.placements.get("fused", {}), params, layer)
     return f"GraphParallel({params!r}, {fused!r})" if fused else f"GraphParallel({params!r})"
 
 

@@ -61,6 +61,11 @@ def plan(
     ``global_batch`` whose decoding step stays within the bound. Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
+    plan_args = dict(model=model, example_inputs=example_inputs, devices=devices,
+                     cluster=cluster, task=task, global_batch=global_batch,
+                     constraints=constraints, memory_limit_gb=memory_limit_gb,
+                     time_limit_s=time_limit_s, progress=progress, seq=seq, peft=peft,
+                     max_token_latency_ms=max_token_latency_ms)
     if task not in TASKS:
         raise PlanError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if not isinstance(devices, int) or devices < 1:
@@ -128,7 +133,23 @@ def plan(
                                           result.estimate, capacity, result.rejected,
                                           result.memory_rejected_bounds)
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
+    refusal = _tensor_parallel_refusal(model, example_inputs, plan)
+    if refusal is not None:  # the layout does not run: the best plan without it
+        if "tp" in pins:
+            raise PlanError(f"tp={pins['tp']} does not run on this model ({refusal})")
+        replan = plan_args | {"constraints": [constraints or {}, {"tp": 1}]}
+        plan = globals()["plan"](**replan)
+        plan.solver["tensor_parallel_refused"] = refusal
     return plan
+
+
+def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan) -> str | None:
+    from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
+
+    if plan.mesh["tp"] == 1 or plan.peft:
+        return None
+    found = model_and_inputs(model, example_inputs)
+    return tensor_parallel_refusal(*found, plan) if found is not None else None
 
 
 def default_global_batch(pins: dict, devices: int) -> int:

@@ -163,12 +163,16 @@ def test_plain_models_split_by_tensor_parallelism_equal_one_process(single, name
     assert plan.mesh["pp"] > 1 or len(held) == 4
 
 
-def test_plain_gpt_through_the_generated_program_equals_one_process() -> None:
+@pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
+                                          (4, dict(pp=2, tp=2, schedule="gpipe"))],
+                         ids=["tp2", "tp2xdp2", "pp2xtp2"])
+def test_plain_gpt_through_the_generated_program_equals_one_process(devices, pins) -> None:
     source = {"kind": "factory", "spec": "tests.fixtures.plain_models:make_gpt"}
     model, example = make_gpt()
     graph = autopar.capture(model, example)
     constraints = dict(precision="fp32", sequence_parallel=False)
-    plan = autopar.plan(graph, devices=2, global_batch=BATCH, constraints=dict(constraints, tp=2))
+    plan = autopar.plan(graph, devices=devices, global_batch=BATCH,
+                        constraints=dict(constraints, **pins))
     single = autopar.plan(graph, devices=1, global_batch=BATCH,
                           constraints=dict(constraints, microbatch_size=plan.microbatch_size))
     want = run_ranks(source, single, steps=STEPS, first_grads=True)

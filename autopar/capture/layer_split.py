@@ -1,5 +1,6 @@
 """How a split tensor moves through a layer's exported graph, and the graph rewritten to run on
-this rank's shards (the pass behind :mod:`autopar.runtime.graph_tp`).
+one rank's shards (the pass behind :mod:`autopar.runtime.graph_tp`, and the search's check
+that a layout runs, :mod:`autopar.capture.layer_graph`).
 
 A tensor of the graph is either whole on every rank (``None``) or a :class:`Split`: along one
 dimension, read as ``prefix x factor x suffix`` in row-major order, each rank holds a
