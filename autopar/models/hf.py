@@ -55,6 +55,7 @@ def build_model(spec: str | Path | dict, device: str | torch.device = "meta",
     cfg_dict = dict(spec) if isinstance(spec, dict) else load_config(spec)
     dtype = dtype or _torch_dtype(cfg_dict)
     model_type = cfg_dict.pop("model_type")
+    architectures = cfg_dict.get("architectures")
     for key in ("dtype", "torch_dtype", "architectures", "transformers_version"):
         cfg_dict.pop(key, None)
     try:
@@ -68,6 +69,16 @@ def build_model(spec: str | Path | dict, device: str | torch.device = "meta",
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        kind = architectures[0] if isinstance(architectures, list) and architectures \
+            else type(config).__name__
+        raise CaptureError(f"a {model_type} config ({kind}) is not a causal language model, "
+                           f"which is what autopar builds from a Hugging Face config "
+                           f"(encoder-decoders such as T5 and vision models are not supported "
+                           f"from config.json); build it yourself and pass a "
+                           f"'module:factory'") from None
     finally:
         torch.set_default_dtype(old)
     return model

@@ -222,8 +222,8 @@ def bounds_section(d: dict) -> Section:
             f"candidates evaluated, {s.get('pruned_by_bound', 0)} pruned by their lower bound"
             f"{', stopped by the time limit' if s.get('timed_out') else ''})")
     if s.get("tensor_parallel_refused"):
-        lines.append("tensor parallelism: not proposed, its split does not run on this model "
-                     f"({s['tensor_parallel_refused']})")
+        lines.append("tensor parallelism: a layout was not proposed, it does not run on this "
+                     f"model ({s['tensor_parallel_refused']})")
     for name, sol in (s.get("sharding") or {}).items():
         lines.append(f"sharding of {name}: CP-SAT {sol['status']}, "
                      f"{fmt.seconds(sol['objective_s'])} (bound {fmt.seconds(sol['bound_s'])})")

@@ -135,15 +135,19 @@ def plan(
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
     refusal = _tensor_parallel_refusal(model, example_inputs, plan)
     if refusal is not None:  # the layout does not run: the best plan without it
-        if "tp" in pins:
-            raise PlanError(f"tp={pins['tp']} does not run on this model ({refusal})")
-        replan = plan_args | {"constraints": [constraints or {}, {"tp": 1}]}
+        reason, avoid = refusal
+        pinned = {k: pins[k] for k in avoid if k in pins}
+        if pinned:
+            stated = ", ".join(f"{k}={v}" for k, v in pinned.items())
+            raise PlanError(f"{stated} does not run on this model ({reason})")
+        replan = plan_args | {"constraints": [constraints or {}, avoid]}
         plan = globals()["plan"](**replan)
-        plan.solver["tensor_parallel_refused"] = refusal
+        plan.solver["tensor_parallel_refused"] = reason
     return plan
 
 
-def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan) -> str | None:
+def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan
+                             ) -> tuple[str, dict] | None:
     from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
 
     if plan.mesh["tp"] == 1 or plan.peft:

@@ -91,7 +91,7 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
             m = replica_batch // mb
             if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
                 continue
-            for sp in ((False, True) if mesh.tp > 1 else (False,)):
+            for sp in ((False, True) if mesh.tp > 1 and facts.sequence_stream else (False,)):
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
                 base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,

@@ -39,6 +39,9 @@ class ModelFacts:
     seq: int
     trainable_params: int = 0  # parameter elements that train (all but a frozen base's)
     trainable_expert_params: int = 0
+    # whether the layers carry a sequence (an attention reads one): sequence parallelism
+    # shards the (batch, sequence, hidden) stream, which a ConvNet or an MLP does not have
+    sequence_stream: bool = True
 
     def tp_ok(self, tp: int) -> bool:
         """Whether the layers' projections split evenly over ``tp``. Heads need not divide:
@@ -68,8 +71,10 @@ def model_facts(graph: Graph) -> ModelFacts:
             for i in (1, 2):  # key/value heads before any grouped-query repetition
                 root = storage_root(graph, op.inputs[i])
                 meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
-                if len(meta.shape) == 4:
-                    heads.add(meta.shape[1])
+                if len(meta.shape) == 4 and meta.shape[-1] == op.input_meta[i].shape[-1]:
+                    heads.add(meta.shape[1])  # a (batch, heads, seq, dim) tensor
+                else:  # a packed projection's storage (nn.MultiheadAttention)
+                    heads.add(op.input_meta[i].shape[1])
         if op.kind is OpKind.MOE_EXPERT:
             for p in op.params:
                 shape = graph.params[p].shape if p in graph.params else ()
@@ -106,6 +111,7 @@ def model_facts(graph: Graph) -> ModelFacts:
         batch=first[0] if first else 1, seq=first[1] if len(first) > 1 else 1,
         trainable_params=sum(p.numel for p in trainable),
         trainable_expert_params=sum(p.numel for p in trainable if p.fqn in expert_names),
+        sequence_stream=any(op.kind is OpKind.ATTENTION for op in graph.ops),
     )
 
 

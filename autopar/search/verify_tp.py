@@ -44,8 +44,10 @@ def model_and_inputs(model: object, example_inputs: object) -> tuple[nn.Module, 
     return None
 
 
-def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan) -> str | None:
-    """Why ``plan``'s tensor-parallel layout does not run on ``model``, or None."""
+def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan
+                            ) -> tuple[str, dict] | None:
+    """Why ``plan``'s tensor-parallel layout does not run on ``model`` and the pins that
+    avoid it (``sequence_parallel=False``, else ``tp=1``), or None when it runs."""
     tp = plan.mesh["tp"]
     if tp == 1:
         return None
@@ -60,6 +62,11 @@ def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan) -> str 
             layers[name] = layer
     if not layers:
         return None
+    if plan.sequence_parallel:
+        first = next(iter(layers))
+        return (f"{first}: sequence parallelism for layers run from their graph (a "
+                f"{type(layers[first]).__name__}) is not supported yet",
+                {"sequence_parallel": False})
     calls: dict[str, tuple] = {}
     hooks = [layer.register_forward_pre_hook(
         lambda _m, args, kwargs, name=name: calls.setdefault(name, (args, kwargs)),
@@ -69,7 +76,7 @@ def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan) -> str 
         with torch.no_grad():
             functional_call(model, state, pytree.tree_map_only(torch.Tensor, meta_like, inputs))
     except Exception as exc:  # noqa: BLE001 - a model that does not run on meta: not checked
-        return None if not isinstance(exc, AutoparError) else str(exc)
+        return None if not isinstance(exc, AutoparError) else (str(exc), {"tp": 1})
     finally:
         for hook in hooks:
             hook.remove()
@@ -84,5 +91,5 @@ def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan) -> str 
         try:
             check_layer_split(layer, params, fused, tp, *calls[name])
         except AutoparError as exc:
-            return f"{name}: {exc}"
+            return f"{name}: {exc}", {"tp": 1}
     return None

@@ -38,3 +38,17 @@ def test_compile_bad_inputs_exit_2_and_write_nothing(tmp_path) -> None:
     _assert_one_line_error(cli_here(*base, "--devices", "0"), "--devices")
     _assert_one_line_error(cli_here("compile", "tiny-llama"), "--devices")
     assert not out.exists()
+
+
+def test_an_encoder_decoder_config_is_refused_in_one_line(tmp_path) -> None:
+    config = tmp_path / "t5" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64,
+        "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 128}))
+    out = tmp_path / "art"
+    done = cli_here("compile", str(config), "--devices", "2", "--out", str(out))
+    assert done.returncode == 2
+    assert "T5ForConditionalGeneration) is not a causal language model" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not out.exists()

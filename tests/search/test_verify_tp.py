@@ -28,7 +28,17 @@ def test_a_split_that_does_not_run_is_never_proposed() -> None:
     assert plan.mesh["tp"] == 1 and plan.mesh["dp"] == 2
     reason = plan.solver["tensor_parallel_refused"]
     assert "attention mask per head" in reason
-    assert "not proposed" in plan.report() and "attention mask per head" in plan.report()
+    assert "was not proposed" in plan.report() and "attention mask per head" in plan.report()
+
+
+def test_sequence_parallelism_is_not_proposed_for_layers_run_from_their_graph() -> None:
+    model, example = make_gpt()
+    plan = autopar.plan(model, example, devices=2, global_batch=4,
+                        constraints=dict(precision="fp32", tp=2))
+    assert plan.mesh["tp"] == 2 and not plan.sequence_parallel
+    with pytest.raises(autopar.PlanError, match="sequence_parallel=True does not run"):
+        autopar.plan(model, example, devices=2, global_batch=4,
+                     constraints=dict(precision="fp32", tp=2, sequence_parallel=True))
 
 
 def test_a_pinned_split_that_does_not_run_is_one_line() -> None:
