@@ -72,17 +72,19 @@ def test_parallelize_your_own_loop_example() -> None:
     DataLoader) after autopar.parallelize: dp2 ZeRO-3 and tp2 print one process's losses."""
     script = str(EXAMPLES / "parallelize_vit.py")
 
-    def losses(*command: str) -> list[str]:
+    def losses(*command: str) -> list[float]:
         result = subprocess.run(list(command), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-        return [line for line in result.stdout.splitlines() if line.startswith("step")]
+        return [float(line.split()[-1]) for line in result.stdout.splitlines()
+                if line.startswith("step")]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2"]
     single = losses(sys.executable, script)
     assert len(single) == 5
-    for constraints in ("dp=2,zero_stage=3", "tp=2"):
-        assert losses(*torchrun, script, constraints) == single, constraints
+    # tp=2 planned for GPUs splits every nn.TransformerEncoderLayer (run from its graph)
+    for args in (("dp=2,zero_stage=3",), ("tp=2", "a100-80g")):
+        assert losses(*torchrun, script, *args) == pytest.approx(single, rel=1e-5), args
 
 
 def test_finetune_hf_weights_cpu_example(tmp_path) -> None:

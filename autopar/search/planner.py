@@ -91,7 +91,9 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
             m = replica_batch // mb
             if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
                 continue
-            for sp in ((False, True) if mesh.tp > 1 and facts.sequence_stream else (False,)):
+            sp_ok = mesh.tp > 1 and facts.sequence_stream and \
+                _splits_layers(graph, (layouts or {}).get(mesh.tp))
+            for sp in ((False, True) if sp_ok else (False,)):
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
                 base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
@@ -164,6 +166,18 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
     if not out and not rejected.get("runtime"):
         rejected["pinned"] = rejected.get("pinned", 0) + 1
     return out
+
+
+def _splits_layers(graph: Graph, tp_layouts: TPLayouts | None) -> bool:
+    """Whether some layer splits a projection at this degree: sequence parallelism shards
+    the stream between split regions, and with nothing split it only adds collectives."""
+    if tp_layouts is None:
+        return True
+    for type_id in {b.type_id for b in graph.layer_blocks or graph.blocks}:
+        layout = tp_layouts.get(type_id)
+        if layout is None or layout.column or layout.row or layout.kv:
+            return True
+    return False
 
 
 def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
