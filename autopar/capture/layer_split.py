@@ -40,7 +40,7 @@ class Split:
 
 
 # ops that keep every dimension where it is, whatever the other operands (broadcast) are
-_SAME_SHAPE = {aten.dropout.default, aten.native_dropout.default, aten._to_copy.default,
+_SAME_SHAPE = {aten.dropout.default, aten._to_copy.default,
                aten.to.dtype, aten.to.dtype_layout, aten.clone.default,
                aten.contiguous.default, aten.alias.default, aten.detach.default,
                aten.type_as.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
@@ -154,6 +154,8 @@ def _rule(node, state, kinds, parts, tp, graph, copied):  # noqa: C901 - one tab
         return _linear(node, state, kinds, parts, graph, copied)
     if target is operator.getitem:
         src = state.get(args[0])
+        if isinstance(src, Split):  # one output of a multi-output op on a split tensor
+            raise Refused(f"{args[0].target} (several outputs) on a split tensor")
         return src[args[1]] if isinstance(src, tuple) else None
     if not split_in:
         return None
