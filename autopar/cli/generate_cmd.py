@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import click
+
+from autopar.cli.common import init_process_group
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
@@ -101,7 +102,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
         if plan.devices != world:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                             f"running; launch with torchrun --nproc-per-node {plan.devices}")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        init_process_group("gloo")
     try:
         generator = Generator(model, plan)
         start = time.perf_counter()

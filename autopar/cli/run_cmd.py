@@ -4,10 +4,10 @@ serves a generation artifact (compiled with ``--task infer``) from its generate.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import click
 
+from autopar.cli.common import init_process_group
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
 from autopar.runtime.profiling import StepProfiler
 from autopar.runtime.run_log import RunLog
@@ -139,13 +139,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
       autopar run SERVE_DIR --generate --prompts prompts.jsonl --max-new-tokens 64
       torchrun --nproc-per-node 2 -m autopar run SERVE_DIR --generate --prompts p.jsonl --sample
     """
-    from pathlib import Path
 
-    import torch.distributed as dist
 
     from autopar.codegen import load_artifact
-    from autopar.errors import PlanError, RunFailure
-    from autopar.runtime import Trainer
+    from autopar.errors import PlanError
 
     manifest, plan = load_artifact(directory)
     from autopar.plan.support import refuse_unsupported
@@ -189,53 +186,71 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
 
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
+        init_process_group(_BACKENDS[kind])
     finished = False
     try:
-        logs = Path(directory) / "logs"
-        rank = int(os.environ.get("RANK", "0"))
-        run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
-                         every=int(training["log_every"])) if rank == 0 else None
-        trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
-                          hyper=hyper, log=run_log, data=data,
-                          init_from=None if resume else init_from)
-        evaluate = _evaluator(held, trainer)  # held-out data checked before any step
-        profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
-            if window is not None else None
-        ckpt = Path(directory) / "checkpoints"
-        if resume:
-            trainer.resume(ckpt)
-        try:
-            losses = trainer.train(steps, checkpoint_dir=ckpt,
-                                   checkpoint_every=checkpoint_every, evaluate=evaluate,
-                                   eval_every=int(training["eval_every"]), profiler=profiler)
-        except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
-            if world == 1:
-                raise
-            from autopar.runtime.checkpoint import latest_checkpoint
-
-            last = latest_checkpoint(ckpt)
-            reason = " ".join(str(exc).split())[:200]
-            lost = isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
-                word in reason.lower() for word in ("connection", "peer", "timed out", "gloo"))
-            what = ("lost its peers" if lost else "failed") + f" at step {trainer.step_index}"
-            cause = "a process died or the network failed" if lost else "an error on this rank"
-            raise RunFailure(
-                f"rank {trainer.rank} {what} ({cause}: {reason}); last complete checkpoint: "
-                f"{last or 'none'}; relaunch with --resume") from None
-        if trainer.rank == 0:
-            summary = getattr(trainer, "profile_summary", None)
-            if summary is not None:
-                from autopar.runtime.profiling import summary_text
-
-                click.echo(summary_text(summary))
-                click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
-                           f"autopar report {directory} --run")
-            click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
-                       f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
+        _train(directory, manifest, plan, program, kind, world, steps, data, seed, hyper,
+               held, window, resume, init_from, checkpoint_every, training)
         finished = True
     finally:
+        # _train has returned: its trainer and model are unreferenced, so _teardown's
+        # collection frees them (and a DDP reducer's hold on a group) before the groups go
         _teardown(world, finished)
+
+
+def _train(directory: str, manifest: dict, plan, program, kind: str, world: int, steps: int,
+           data: str, seed: int, hyper, held, window: tuple[int, int] | None, resume: bool,
+           init_from: str | None, checkpoint_every: int, training: dict) -> None:
+    """The run between process-group start and teardown: build the trainer, train, report
+    on rank 0. A lost peer or a failing step becomes one RunFailure line."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from autopar.errors import RunFailure
+    from autopar.runtime import Trainer
+
+    logs = Path(directory) / "logs"
+    rank = int(os.environ.get("RANK", "0"))
+    run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
+                     every=int(training["log_every"])) if rank == 0 else None
+    trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
+                      hyper=hyper, log=run_log, data=data,
+                      init_from=None if resume else init_from)
+    evaluate = _evaluator(held, trainer)  # held-out data checked before any step
+    profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
+        if window is not None else None
+    ckpt = Path(directory) / "checkpoints"
+    if resume:
+        trainer.resume(ckpt)
+    try:
+        losses = trainer.train(steps, checkpoint_dir=ckpt,
+                               checkpoint_every=checkpoint_every, evaluate=evaluate,
+                               eval_every=int(training["eval_every"]), profiler=profiler)
+    except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+        if world == 1:
+            raise
+        from autopar.runtime.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(ckpt)
+        reason = " ".join(str(exc).split())[:200]
+        lost = isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
+            word in reason.lower() for word in ("connection", "peer", "timed out", "gloo"))
+        what = ("lost its peers" if lost else "failed") + f" at step {trainer.step_index}"
+        cause = "a process died or the network failed" if lost else "an error on this rank"
+        raise RunFailure(
+            f"rank {trainer.rank} {what} ({cause}: {reason}); last complete checkpoint: "
+            f"{last or 'none'}; relaunch with --resume") from None
+    if trainer.rank == 0:
+        summary = getattr(trainer, "profile_summary", None)
+        if summary is not None:
+            from autopar.runtime.profiling import summary_text
+
+            click.echo(summary_text(summary))
+            click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
+                       f"autopar report {directory} --run")
+        click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
+                   f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
 
 
 def _evaluator(held, trainer):
@@ -252,7 +267,6 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
            tokenizer: str | None, options: dict) -> None:
     """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
     (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
-    import torch.distributed as dist
 
     from autopar.cli.generate_cmd import print_generated, read_prompts
     from autopar.errors import PlanError
@@ -290,7 +304,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
 
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        dist.init_process_group(_BACKENDS[kind], timeout=timedelta(seconds=120))
+        init_process_group(_BACKENDS[kind])
     finished = False
     try:
         model = serving_model(directory, run_device(kind))
@@ -303,11 +317,19 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
 
 
 def _teardown(world: int, finished: bool) -> None:
-    """End the process group: after a clean run every rank reaches teardown before any tears
-    down (gloo aborts a process whose peer destroys its threads mid-exchange)."""
+    """End a finished run in order: what held the process groups is freed first (the model,
+    its DDP reducer: the caller's objects are out of scope by now), then a barrier (gloo
+    aborts a process whose peer destroys its threads mid-exchange), then every group is
+    destroyed while the interpreter is whole. A failed or interrupted run destroys nothing:
+    a peer may still be inside a collective, which a group's shutdown would wait on, and the
+    process exits next (autopar.cli.end_process) with its threads."""
+    import gc
+
     import torch.distributed as dist
 
+    if not finished:
+        return
+    gc.collect()
     if world > 1 and dist.is_initialized():
-        if finished:
-            dist.barrier()
+        dist.barrier()
         dist.destroy_process_group()

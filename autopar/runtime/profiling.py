@@ -53,11 +53,13 @@ class StepProfiler:
         self._done = 0
         self._held_bytes = 0.0
         self._written: Path | None = None
+        self._running = False
 
     def start(self, trainer) -> None:
         self._trainer = trainer
         self.first_step = trainer.step_index  # the run's first step (a resumed run's later)
         self._profiler.start()
+        self._running = True
         if self.window[0] == 0:
             self._open_window()
 
@@ -79,10 +81,17 @@ class StepProfiler:
         profiler.export_chrome_trace(str(path))
         self._written = path
 
+    def close(self) -> None:
+        """Stop the profiler if it runs (a run that failed mid-window): its collection must
+        not outlive the run, which ends by tearing down the process group. Safe to repeat."""
+        if self._running:
+            self._running = False
+            self._profiler.stop()
+
     def finish(self, coords: dict[str, int]) -> dict | None:
         """Stop, summarise this rank's trace, gather every rank's on rank 0 and write
         ``summary.json`` there; returns it on rank 0 (None elsewhere)."""
-        self._profiler.stop()
+        self.close()
         mine: dict = {"rank": self.rank, "coords": coords}
         if self._written is not None:
             trace = read_trace(self._written)

@@ -385,7 +385,9 @@ class Trainer:
                     evaluate(self)
             if profiler is not None:
                 self.profile_summary = profiler.finish(self.coords)
-        finally:
+        finally:  # writers and the profiler end with the run, whether it finished or failed
+            if profiler is not None:
+                profiler.close()
             if self.log is not None:
                 self.log.close()
         return losses
