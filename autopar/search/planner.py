@@ -91,8 +91,8 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
             m = replica_batch // mb
             if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
                 continue
-            sp_ok = mesh.tp > 1 and facts.sequence_stream and \
-                _splits_layers(graph, (layouts or {}).get(mesh.tp))
+            sp_ok = sequence_parallel_possible(graph, facts, (layouts or {}).get(mesh.tp),
+                                               mesh.tp)
             for sp in ((False, True) if sp_ok else (False,)):
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
@@ -168,9 +168,13 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
     return out
 
 
-def _splits_layers(graph: Graph, tp_layouts: TPLayouts | None) -> bool:
-    """Whether some layer splits a projection at this degree: sequence parallelism shards
-    the stream between split regions, and with nothing split it only adds collectives."""
+def sequence_parallel_possible(graph: Graph, facts: ModelFacts,
+                               tp_layouts: TPLayouts | None, tp: int) -> bool:
+    """Whether sequence parallelism is a choice at degree ``tp``: the layers carry a
+    sequence, and some layer splits a projection (sequence parallelism shards the stream
+    between split regions; with nothing split it only adds collectives)."""
+    if tp == 1 or not facts.sequence_stream:
+        return False
     if tp_layouts is None:
         return True
     for type_id in {b.type_id for b in graph.layer_blocks or graph.blocks}:

@@ -22,7 +22,7 @@ from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.precision import default_precision
 from autopar.models import GPT, GPTConfig, build_model, load_config, token_inputs
 from autopar.plan.support import unsupported
-from autopar.search.planner import VIRTUAL_STAGES
+from autopar.search.planner import VIRTUAL_STAGES, sequence_parallel_possible
 from autopar.search.robust import MEMORY_RISK_FRACTION, ROBUST_MARGIN
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts, offload_choices
@@ -72,7 +72,8 @@ def _brute_force(graph, cluster, devices: int, global_batch: int, capacity: floa
                                                        ("gpipe", 1)]
             if pp > 1 and m % pp == 0:
                 schedules += [("interleaved", v) for v in VIRTUAL_STAGES if v * pp <= nblocks]
-            for sp in ([False, True] if tp > 1 else [False]):
+            sp_ok = sequence_parallel_possible(graph, facts, layouts.get(tp), tp)
+            for sp in ([False, True] if sp_ok else [False]):
                 for zero in (range(4) if dp * ep > 1 else [0]):
                     if pins.get("zero_stage", zero) != zero:
                         continue
