@@ -287,7 +287,10 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     # every micro-batch's forward gathers (ZeRO-2 too: FSDP2 reshards after each backward),
     # except under a pipeline schedule, whose backward leaves them gathered for the next
     fwd_gathers = gathers if per_block and not deferred else none
-    bwd_gathers = gathers if zero == 3 else none  # ZeRO-2 keeps the forward's gathers
+    # ZeRO-2 keeps the forward's gathers; ZeRO-3 gathers once per micro-batch's backward,
+    # under the zero-bubble schedule too: its input step gathers the stage and the weight
+    # step that follows finds it gathered (autopar/runtime/split_backward.py)
+    bwd_gathers = gathers if zero == 3 else none
     fwd = forward_with_gathers(
         [a + (b if g else 0.0) for a, b, g in zip(lane_fwd, gather_copies, fwd_gathers,
                                                   strict=True)], fwd_gathers, overlap)

@@ -96,11 +96,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     if pp > 1 and recompute - set(recompute_modes(schedule)):
         return ("selective or op recompute with the zero-bubble schedule (constraints "
                 "recompute=full or schedule=1f1b)")
-    if pp > 1 and schedule == "zero_bubble" and zero_stage == 3:
-        # torch's split backward computes a stage's weight gradients after fully_shard has
-        # resharded its parameters: every stage but the first ends the step without gradients
-        return ("the zero-bubble schedule with ZeRO-3 (constraints schedule=1f1b, or "
-                "zero_stage=2)")
     if ep > 1 and {"selective", "op"} & recompute:
         return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
                 "replay the all-to-all dispatch's integer routing tensors: constraints "

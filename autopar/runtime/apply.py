@@ -80,15 +80,12 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     from rank 0. With pipeline stages (pp > 1) it returns a :class:`Pipeline`: this rank's
     stages and the planned schedule; give ``example`` (one micro-batch of inputs, to trace the
     model) and ``loss_fn(output, target)``, then call ``pipeline.step(inputs, target)`` each
-    step. Expert parallelism is applied with ZeRO-2/3 (fully_shard reduces the expert
-    gradients); each data-parallel rank, dp x ep of them, reads its own rows (``rank // tp``).
+    step. Under expert parallelism each data-parallel rank, dp x ep of them, reads its own
+    rows (``rank // tp``); with ZeRO-2/3 fully_shard reduces the expert gradients, with ZeRO-0
+    DDP reduces the dense ones and the optimizer from :func:`optimizer` the experts' (over dp,
+    before each step, as the Trainer does).
     """
     refuse_unsupported(plan)
-    if plan.mesh["ep"] > 1 and plan.zero_stage < 2 and not \
-            {"optimizer", "params"} & set(plan.offload):
-        raise PlanError("autopar.parallelize applies expert parallelism with ZeRO-2/3 (the "
-                        "expert gradients are then reduced inside fully_shard); re-plan with "
-                        "constraints zero_stage=2 (or train with autopar run)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
@@ -122,14 +119,35 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
             check_expert_parallel(plan)
             experts = apply_expert_parallel(model, plan, mesh["ep"])
             apply_recompute(model, plan)
-            shard_expert_data_parallel(model, plan, mesh, experts)
-            return model
+            if shard_expert_data_parallel(model, plan, mesh, experts):
+                return model
+            return _replicate_experts(model, plan, mesh, experts)
     elif {"optimizer", "params"} & set(plan.offload):
         dp_mesh = single_process_mesh(plan, device)["dp"]
     apply_recompute(model, plan)
     if shard_data_parallel(model, plan, dp_mesh):
         return model
     return replicate_data_parallel(model, plan, dp_mesh)[0]
+
+
+# the attribute of a ZeRO-0 expert-parallel model holding its expert-gradient sync, which the
+# optimizer from :func:`optimizer` runs before each step
+EXPERT_SYNC_ATTR = "_autopar_sync_expert_grads"
+
+
+def _replicate_experts(model: nn.Module, plan: Plan, mesh, experts: list) -> nn.Module:
+    """ZeRO-0 under expert parallelism, as the generated program and the Trainer run it: DDP
+    over dp x ep for the dense parameters (the generated program's ``replicate``), and the
+    experts' gradients summed over dp and divided by dp x ep once the step's backwards are
+    done (the Trainer's :func:`sync_expert_grads`), here by the optimizer before its step."""
+    from functools import partial
+
+    from autopar.runtime.expert_parallel import replicate_expert_data_parallel, sync_expert_grads
+
+    ddp = replicate_expert_data_parallel(model, plan, mesh, experts)
+    dp_group = mesh["dp"].get_group() if plan.mesh["dp"] > 1 else None
+    setattr(ddp, EXPERT_SYNC_ATTR, partial(sync_expert_grads, experts, plan, dp_group))
+    return ddp
 
 
 @dataclass
@@ -197,8 +215,15 @@ def optimizer(model: nn.Module | Pipeline, plan: Plan,
               **kwargs) -> torch.optim.Optimizer:
     """The optimizer for a :func:`parallelize`-d model or pipeline: ``cls(params,
     **kwargs)``, with its states sharded over the data-parallel ranks
-    (ZeroRedundancyOptimizer) when the plan says ZeRO-1 over replicas."""
+    (ZeroRedundancyOptimizer) when the plan says ZeRO-1 over replicas. For a ZeRO-0
+    expert-parallel model it reduces the expert gradients before each step (after your
+    backwards, gradient accumulation included): clip gradients after that, not before."""
     params = [p for p in model.parameters() if p.requires_grad]
+    sync_experts = getattr(model, EXPERT_SYNC_ATTR, None)
+    if sync_experts is not None:
+        opt = cls(params, **kwargs)
+        opt.register_step_pre_hook(lambda *_: sync_experts())
+        return opt
     if isinstance(model, Pipeline) and model.replicated and plan.zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.init import InitReport, materialize
+from autopar.runtime.split_backward import gather_for_split_backward
 
 if TYPE_CHECKING:
     from autopar.runtime.hf_weights import HFCheckpoint
@@ -128,6 +129,8 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
     stages = [pipe.build_stage(i, torch.device(device), group) for i in indices]
     for stage in stages:
         retarget_graph_devices(stage.submod, torch.device(device))
+        if schedule == "zero_bubble":  # its split backward must see the gathered weights
+            gather_for_split_backward(stage)
     cls = _schedule_class(schedule)
     multi = schedule in ("interleaved", "zero_bubble")
     runner = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

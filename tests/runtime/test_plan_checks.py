@@ -62,16 +62,3 @@ def test_parallelize_refuses_what_it_does_not_apply_yet() -> None:
     plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(pp=1, dp=2))
     with pytest.raises(autopar.PlanError, match="torchrun --nproc-per-node 2"):
         autopar.parallelize(model, plan)
-
-
-def test_the_zero_bubble_schedule_with_zero3_is_neither_planned_nor_run() -> None:
-    """torch's split weight backward runs after fully_shard resharded a stage's parameters,
-    leaving every stage but the first without gradients: never proposed, refused if edited."""
-    graph = autopar.capture("tiny-llama", seq=32)
-    pins = dict(pp=2, dp=2, tp=1, microbatch_size=1, num_microbatches=2, schedule="zero_bubble")
-    with pytest.raises(autopar.InfeasibleError, match="zero-bubble schedule with ZeRO-3"):
-        autopar.plan(graph, devices=4, global_batch=4, constraints=dict(pins, zero_stage=3))
-    plan = autopar.plan(graph, devices=4, global_batch=4, constraints=dict(pins, zero_stage=2))
-    plan.zero_stage = 3
-    with pytest.raises(autopar.PlanError, match="zero-bubble schedule with ZeRO-3.*1f1b"):
-        Trainer(describe_source("tiny-llama"), plan, program=None, device="cpu")
