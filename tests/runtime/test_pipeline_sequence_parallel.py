@@ -57,11 +57,16 @@ def _assert_equal_to_one_process(source: dict, graph, plan) -> None:
     assert not wrong, f"first-step gradients differ: {wrong[:5]}"
 
 
-def test_pp2_tp2_sequence_parallel_tiny_llama_equals_one_process() -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pp2_tp2_sequence_parallel_tiny_llama_equals_one_process(schedule: str) -> None:
+    """zero_bubble: torch's split backward (input gradients, then weight gradients) runs
+    through the stage's gathers and scatters too."""
     source, graph = describe_source("tiny-llama"), autopar.capture("tiny-llama", seq=SEQ)
     plan = autopar.plan(graph, devices=4, global_batch=4, constraints=dict(
-        pp=2, tp=2, dp=1, sequence_parallel=True, microbatch_size=1, precision="fp32"))
-    assert (plan.mesh["pp"], plan.mesh["tp"], plan.sequence_parallel) == (2, 2, True)
+        pp=2, tp=2, dp=1, sequence_parallel=True, microbatch_size=1, precision="fp32",
+        schedule=schedule))
+    assert (plan.mesh["pp"], plan.mesh["tp"], plan.sequence_parallel, plan.schedule) == \
+        (2, 2, True, schedule)
     _assert_equal_to_one_process(source, graph, plan)
 
 

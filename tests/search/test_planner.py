@@ -151,7 +151,8 @@ def test_search_proposes_only_what_the_runtime_runs() -> None:
 
     assert unsupported(ParallelConfig(ep=2, pp=2)) is not None
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=1)) is not None
-    assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True)) is None
+    assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True, num_microbatches=2)) \
+        is None
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=3, tp=2)) is None
     # DTensor parameters are data-parallel through fully_shard (ZeRO-2/3), and FSDP2 offloads
     # sharded states: ZeRO-0/1 under tp, or with offload over several replicas, never run
