@@ -250,7 +250,10 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             share = numel / tp if p in tp_param_names else numel
             dense += share
             trainable_dense += share if trains else 0.0
-    out_bytes = block.output_bytes * byte_scale / (tp if sp else 1)
+    # what a stage boundary after this block sends: the sequence shard under sequence
+    # parallelism (Megatron), or the whole activation where the engine gathers it first
+    sharded_send = sp and not engine_features(config.engine).whole_p2p_under_sp
+    out_bytes = block.output_bytes * byte_scale / (tp if sharded_send else 1)
     cp_comm = context_parallel_comm(graph, block, config, cluster, seq_byte_scale, kv_split,
                                     attention_fwd_s, attention_bwd_s, recompute)
     return BlockCost(fwd, bwd, recompute_s, tp_comm, ep_comm, acts.stored_bytes,
@@ -349,6 +352,7 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
            config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
            config.vocab_parallel, engine_features(config.engine).tied_vocab_parallel,
+           engine_features(config.engine).whole_p2p_under_sp,
            config.engine in FUSED_KERNEL_ENGINES)
     by_type = graph_memo(graph)
     if key not in by_type:

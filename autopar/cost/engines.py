@@ -94,6 +94,9 @@ class EngineFeatures:
     loss: str = "fp32-copy"  # how the loss holds the logits (LOSS_KINDS)
     reduce_cast: bool = False  # without FSDP2's copies: gradients cast to a wider reduce dtype
     tied_vocab_parallel: bool = False  # a tied embedding and LM head share one vocab shard
+    # pipeline stages send whole activations under sequence parallelism (autopar's runtime
+    # gathers at a stage's last layer); Megatron sends the sequence shard, 1 / tp of them
+    whole_p2p_under_sp: bool = False
 
 
 # bytes per logit element the loss holds at its peak, given the compute dtype's bytes (see
@@ -108,7 +111,8 @@ LOSS_KINDS = {
 ENGINE_FEATURES = {
     "autopar": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=True,
                               param_gather_overlap=False, zero2_per_microbatch=True,
-                              p2p_overlap_1f1b=True, fsdp_copies=True, fp32_param_master=True),
+                              p2p_overlap_1f1b=True, fsdp_copies=True, fp32_param_master=True,
+                              whole_p2p_under_sp=True),
     "megatron": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=False,
                                param_gather_overlap=False, zero2_per_microbatch=False,
                                p2p_overlap_1f1b=False, fsdp_copies=False,

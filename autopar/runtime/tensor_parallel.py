@@ -72,7 +72,8 @@ def _relayout(t: object, mesh: DeviceMesh, src: Placement, dst: Placement, local
 class Relayout(ParallelStyle):
     """Lay out a module's hidden states: its first input (positional, or the keyword named like
     ``forward``'s first parameter, since HF decoder layers call attention with
-    ``hidden_states=``) and the first tensor of its output.
+    ``hidden_states=``) and the first tensor of its output (a plain tensor when
+    ``local_output``: what a pipeline stage hands to the next one).
 
     PrepareModuleInput/Output need the call's exact arity and positional/keyword form, which
     differ between models; this touches only the hidden states. ``replicate_rest`` turns every
@@ -82,34 +83,41 @@ class Relayout(ParallelStyle):
 
     def __init__(self, *, inputs: tuple[Placement, Placement] | None = None,
                  outputs: tuple[Placement, Placement] | None = None,
-                 local_input: bool = False, replicate_rest: bool = False) -> None:
+                 local_input: bool = False, local_output: bool = False,
+                 replicate_rest: bool = False) -> None:
         super().__init__()
         self.inputs, self.outputs = inputs, outputs
-        self.local_input, self.replicate_rest = local_input, replicate_rest
+        self.local_input, self.local_output = local_input, local_output
+        self.replicate_rest = replicate_rest
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from autopar.runtime.traced_stage import stream_position
+
         params = list(inspect.signature(module.forward).parameters.values())
         first = params[0].name if params and params[0].kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) else None
+        # a traced module (pipeline stage) takes its inputs in the trace's order
+        position = stream_position(module) if self.inputs is not None else None
         rep = (Replicate(), Replicate(), False)
 
         def pre(_mod, args, kwargs):
             args, kwargs = list(args), dict(kwargs)
-            key = 0 if args else first if first in kwargs else None
+            key = (position if position is not None else 0) if args else \
+                first if first in kwargs else None
             if self.replicate_rest:
                 for i, a in enumerate(args):
                     args[i] = _relayout(a, device_mesh, *rep)
                 kwargs = {k: _relayout(v, device_mesh, *rep) for k, v in kwargs.items()}
             if self.inputs is not None and key is not None:
-                holder = args if key == 0 else kwargs
+                holder = args if isinstance(key, int) else kwargs
                 holder[key] = _relayout(holder[key], device_mesh, *self.inputs, self.local_input)
             return tuple(args), kwargs
 
         def post(_mod, _args, output):
             if isinstance(output, (tuple, list)) and output:
-                head = _relayout(output[0], device_mesh, *self.outputs, False)
+                head = _relayout(output[0], device_mesh, *self.outputs, self.local_output)
                 return type(output)([head, *output[1:]])
-            return _relayout(output, device_mesh, *self.outputs, False)
+            return _relayout(output, device_mesh, *self.outputs, self.local_output)
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         if self.outputs is not None:
@@ -220,10 +228,6 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
         raise PlanError("kv heads replicated over tensor-parallel ranks inside pipeline stages "
                         "are not supported; re-plan with pp=1 or a tp that divides the kv heads")
     if traced:
-        if plan.sequence_parallel:
-            raise PlanError("sequence parallelism inside pipeline stages is not supported "
-                            "(stages exchange whole activations); re-plan with constraints "
-                            "sequence_parallel=false or pp=1")
         layout.leaves = sorted(split)  # a stage may hold any of them as a graph module
         layout.fused = dict(sorted(fused.items()))
     else:
@@ -232,7 +236,9 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
             if path in present and _under(path, graphed) is None and any(k in ("col", "kv") and _under(p, [path])
                                        for p, k in split.items()):
                 layout.heads[path] = tuple(heads)
-    if plan.sequence_parallel:
+    if plan.sequence_parallel and traced:
+        styles = _stage_sequence_parallel_styles(model, plan, split, fused)
+    elif plan.sequence_parallel:
         styles = _sequence_parallel_styles(model, plan, split, fused, whole_logits)
     else:
         styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
@@ -417,6 +423,57 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
                             f"re-plan with constraints sequence_parallel=false")
         else:
             styles[name] = f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True)"
+    return _in_model_order(model, styles)
+
+
+def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
+                                    fused: dict[str, list[int]]) -> dict[str, str]:
+    """Megatron-SP inside pipeline stages traced from ``model``: within a stage the residual
+    stream between layers is sharded on the sequence, as :func:`_sequence_parallel_styles`
+    lays it out, but stages exchange whole activations (the shapes the trace gave the
+    pipeline's send and receive buffers): each stage's first layer takes its sequence shard
+    of the whole input, and its last layer gathers its output back to a whole plain tensor.
+    The embeddings and the tail (final norm, LM head) run as under plain traced tensor
+    parallelism, on whole activations. Inside a layer everything stays a DTensor of global
+    shape, so that the sizes the trace baked into its views hold."""
+    from autopar.runtime.pipeline import chunk_ranges
+
+    order = [n for n, _ in model.named_modules()]
+    layers = [n for n in layer_names(plan) if n in order]
+    styles = {p: s for p, s in _tensor_parallel_styles(model, plan, split, fused, True).items()
+              if _under(p, layers) is None}
+    for region in _regions(model, layers, split):
+        kinds = {k for p, k in split.items() if _under(p, [region])}
+        outputs = "None" if "row" in kinds else f"(Replicate(), {SHARD_SEQ})"
+        if kinds:  # split: every input a replicated DTensor (the stream gathered), so that
+            # the backward reduce-scatters the stream's gradient
+            styles[region] = f"Relayout(outputs={outputs}, replicate_rest=True)" \
+                if outputs != "None" else "Relayout(replicate_rest=True)"
+        else:  # replicated: computes on the whole plain input
+            styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True, "
+                              f"outputs={outputs})")
+    for name in layers:
+        for child, module in model.get_submodule(name).named_children():
+            if _is_norm(module):
+                styles[f"{name}.{child}"] = f"SequenceParallel(sequence_dim={SEQ})"
+    for path, kind in split.items():
+        if _under(path, layers) is None:
+            continue
+        parts = f"{fused[path]}, " if path in fused else ""
+        styles[path] = f"ColumnParallel({parts}use_local_output=False)" if kind == "col" else \
+            f"RowParallel(output_layouts={SHARD_SEQ}, use_local_output=False)"
+    blocks = [b["name"] for b in plan.model["blocks"]]
+    for start, end in chunk_ranges(plan):
+        mine = [b for b in blocks[start:end] if b in layers]
+        if not mine:
+            continue
+        scatter = f"inputs=(Replicate(), {SHARD_SEQ})"
+        gather = f"outputs=({SHARD_SEQ}, Replicate()), local_output=True"
+        if mine[0] == mine[-1]:
+            styles[mine[0]] = f"Relayout({scatter}, {gather})"
+        else:
+            styles[mine[0]] = f"Relayout({scatter})"
+            styles[mine[-1]] = f"Relayout({gather})"
     return _in_model_order(model, styles)
 
 

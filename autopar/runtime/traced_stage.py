@@ -21,12 +21,55 @@ def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
     and DTensor taught the CPU attention kernel's head-parallel sharding."""
     present = {n for n, _ in stage.named_modules()}
     register_cpu_attention_sharding()
+    drop_metadata_asserts(stage)
     link_originals(stage, original)
     restore_leaves(stage, original, [p for p in leaves if p in present])
     split_fused_outputs(stage, {p: v for p, v in fused.items() if p in present})
 
 
 ORIGINAL_ATTR = "_autopar_original"
+
+
+def stream_position(module: nn.Module) -> int | None:
+    """Which positional input of a traced layer (or region) is the residual stream, or None
+    for a module that is not traced. The trace orders a module's inputs its own way (a
+    Hugging Face decoder layer gets the mask and rotary tables first, the hidden states
+    last): the stream is the one input shaped like the module's output."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return None
+    output = next(n for n in graph.nodes if n.op == "output").args[0]
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    shape = getattr(getattr(first, "meta", {}).get("val"), "shape", None)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    matches = [i for i, n in enumerate(inputs)
+               if shape is not None and getattr(n.meta.get("val"), "shape", None) == shape]
+    if len(matches) != 1:
+        raise PlanError(f"cannot tell which input of a traced {type(module).__name__} is the "
+                        f"residual stream ({len(matches)} inputs shaped like its output); "
+                        f"re-plan with constraints sequence_parallel=false")
+    return matches[0]
+
+
+def drop_metadata_asserts(stage: nn.Module) -> None:
+    """Remove the dtype/device assertions torch.export records for each ``Tensor.to`` (as
+    ``aten._assert_tensor_metadata``) from every graph a traced stage holds: DTensor has no
+    sharding rule for them, and under sequence parallelism a norm's ``to(float32)`` reads a
+    DTensor. They check what the trace already fixed and compute nothing."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is target
+                   and not n.users]
+        for node in asserts:
+            graph.erase_node(node)
+        # an unflattened InterpreterModule keeps its generated code outside _modules
+        code = module if isinstance(module, torch.fx.GraphModule) else \
+            module.__dict__.get("graph_module")
+        if asserts and code is not None:
+            code.recompile()
 
 
 def link_originals(stage: nn.Module, original: nn.Module) -> None:

@@ -228,3 +228,18 @@ def test_what_each_engine_does_not_offer_is_refused_and_megatron_fsdp_round_trip
     path.write_text(command)
     pins = load_constraints(str(path))
     assert pins["engine"] == "megatron-core" and pins["zero_stage"] == 3
+
+
+def test_pipeline_sends_are_priced_as_each_engine_sends_them_under_sequence_parallelism() -> None:
+    """autopar's runtime gathers a stage's output before sending it (whole activations), so
+    its send is priced whole; Megatron sends the sequence shard, 1 / tp of it."""
+    graph = autopar.capture("tiny-llama", seq=32)
+    cluster = load_cluster("h100-80g")
+    config = ParallelConfig(pp=2, tp=2, sequence_parallel=True, num_microbatches=2,
+                            precision=BF16)
+    whole = cached_block_cost(graph, 1, replace(config, sequence_parallel=False), cluster,
+                              "none").output_bytes
+    ours = cached_block_cost(graph, 1, config, cluster, "none").output_bytes
+    megatron = cached_block_cost(graph, 1, replace(config, engine="megatron"), cluster,
+                                 "none").output_bytes
+    assert whole > 0 and ours == whole and megatron == pytest.approx(whole / 2)

@@ -101,18 +101,22 @@ def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
                            "engine=autopar")
 
 
-def test_the_mindformers_yaml_refuses_what_it_was_not_written_for(tmp_path) -> None:
-    # autopar's own runtime keeps whole activations between pipeline stages
-    _assert_one_line_error(cli_here("compile", "llama2-70b", "--devices", "64",
-                                    "--constraints", str(REAL), "--out", str(tmp_path / "a"),
-                                    "-q"), "sequence parallelism inside pipeline stages",
-                           "engine=megatron")
+def test_the_mindformers_yaml_plans_for_autopars_runtime_and_refuses_another_model(
+        tmp_path) -> None:
+    # sequence parallelism inside pipeline stages runs on autopar's own runtime (a tiny twin
+    # of this file's plan equals one process: tests/runtime/test_pipeline_sequence_parallel)
+    made = cli_here("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL),
+                    "--out", str(tmp_path / "a"), "-q")
+    assert made.returncode == 0, made.stderr
+    plan = autopar.Plan.load(tmp_path / "a" / "plan.yaml")
+    assert plan.mesh == {"pp": 8, "dp": 2, "cp": 1, "ep": 1, "tp": 4}
+    assert plan.sequence_parallel and (tmp_path / "a" / "train.py").exists()
     # its model section describes Llama-2-70B, not 7B
     _assert_one_line_error(cli_here("compile", "llama2-7b", "--devices", "64",
                                    "--constraints", str(REAL), "--constraints",
                                    "engine=megatron", "--out", str(tmp_path / "b"), "-q"),
                            "for another model", "hidden_size 8192 (the model has 4096)")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_mindformers_file_states_its_global_batch() -> None:
@@ -139,11 +143,8 @@ def test_a_mindformers_file_states_its_global_batch() -> None:
 
 def test_the_real_mindformers_yaml_plans_the_global_batch_it_states(tmp_path) -> None:
     """Without --global-batch the Llama-2-70B file plans its own 2 x 256 x 1 = 512; a
-    --global-batch that contradicts it is refused in one line naming both. (Sequence
-    parallelism is unpinned here only because the runtime still refuses it inside pipeline
-    stages: that refusal is not what this test is about.)"""
-    args = ("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL),
-            "--constraints", "sequence_parallel=false", "-q")
+    --global-batch that contradicts it is refused in one line naming both."""
+    args = ("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL), "-q")
     made = cli_here(*args, "--out", str(tmp_path / "a"))
     assert made.returncode == 0, made.stderr
     assert "global 512 = dp*ep 2 x micro-batch 1 x 256 micro-batches" in made.stdout

@@ -208,14 +208,18 @@ def test_tiny_llama_pp2_x_tp2_matches_single_process(llama) -> None:
     assert total["all_reduce"] >= 4 * 2 * 4
 
 
-def test_pipeline_x_sequence_parallel_is_refused(gpt4) -> None:
-    from autopar.runtime import Trainer
-
-    source, graph, _ = gpt4
-    # the planner does not propose it; a hand-edited plan is refused by the runtime
-    with pytest.raises(autopar.InfeasibleError, match="that the runtime can run"):
-        _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=True, **FOUR_MICROBATCHES)
-    plan = _plan(graph, 4, pp=2, tp=2, dp=1, sequence_parallel=False, **FOUR_MICROBATCHES)
-    plan.sequence_parallel = True
-    with pytest.raises(autopar.PlanError, match="sequence_parallel=false or pp=1"):
-        Trainer(source, plan, program=None, device="cpu")
+def test_gpt_pp2_x_tp2_sequence_parallel_matches_single_process(gpt4) -> None:
+    """Sequence parallelism inside pipeline stages (the planner proposes it): a stage's
+    layers reduce-scatter onto sequence shards and all-gather them, instead of the
+    row-parallel all-reduces; stages still exchange whole activations."""
+    source, graph, reference = gpt4
+    plan = _plan(graph, 4, pp=2, tp=2, dp=1, schedule="1f1b", sequence_parallel=True,
+                 **FOUR_MICROBATCHES)
+    assert plan.sequence_parallel and plan.mesh["pp"] == 2
+    losses, sharded, total, _ = _run(source, plan)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert {"layers.0.attn.qkv.weight", "layers.1.mlp.proj.weight"} <= _stage_names(sharded)
+    # per micro-batch, in the forward alone: 2 reduce-scatters and 2 all-gathers per layer
+    # (rank 0's stage holds 2 layers)
+    assert total.get("reduce_scatter_tensor", 0) >= 4 * 2 * 2
+    assert total.get("all_gather_into_tensor", 0) >= 4 * 2 * 2

@@ -137,8 +137,9 @@ def test_progress_reports(llama8b) -> None:
 
 
 def test_search_proposes_only_what_the_runtime_runs() -> None:
-    """Expert parallelism never meets pipelines or ZeRO-1, and sequence parallelism never
-    runs inside pipeline stages, in any candidate the search keeps."""
+    """Expert parallelism never meets pipelines or ZeRO-1 in any candidate the search keeps;
+    sequence parallelism inside pipeline stages runs (tests/runtime/
+    test_pipeline_sequence_parallel.py), so it is not refused."""
     from autopar.cost.config import ParallelConfig
     from autopar.plan.support import unsupported
 
@@ -150,7 +151,8 @@ def test_search_proposes_only_what_the_runtime_runs() -> None:
 
     assert unsupported(ParallelConfig(ep=2, pp=2)) is not None
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=1)) is not None
-    assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True)) is not None
+    assert unsupported(ParallelConfig(tp=2, pp=2, sequence_parallel=True, num_microbatches=2)) \
+        is None
     assert unsupported(ParallelConfig(ep=2, dp=2, zero_stage=3, tp=2)) is None
     # DTensor parameters are data-parallel through fully_shard (ZeRO-2/3), and FSDP2 offloads
     # sharded states: ZeRO-0/1 under tp, or with offload over several replicas, never run
