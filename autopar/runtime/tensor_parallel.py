@@ -348,6 +348,12 @@ def _in_model_order(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return dict(sorted(styles.items(), key=lambda kv: order[kv[0]]))
 
 
+def _norm_styles(model: nn.Module, layers: list[str]) -> dict[str, str]:
+    """Each layer's norms run on their sequence shard (Megatron-SP)."""
+    return {f"{name}.{child}": f"SequenceParallel(sequence_dim={SEQ})" for name in layers
+            for child, module in model.get_submodule(name).named_children() if _is_norm(module)}
+
+
 def _regions(model: nn.Module, layers: list[str], split: dict[str, str]) -> list[str]:
     """The parameter-holding non-norm children of each layer (attention, MLP, MoE)."""
     out = []
@@ -398,10 +404,7 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         local = not {"col", "kv"} & kinds
         styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), "
                           f"local_input={local}, outputs={outputs})")
-    for name in layers:
-        for child, module in model.get_submodule(name).named_children():
-            if _is_norm(module):
-                styles[f"{name}.{child}"] = f"SequenceParallel(sequence_dim={SEQ})"
+    styles.update(_norm_styles(model, layers))
     for path, kind in split.items():
         if _under(path, layers) is None:
             continue
@@ -452,10 +455,7 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
         else:  # replicated: computes on the whole plain input
             styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True, "
                               f"outputs={outputs})")
-    for name in layers:
-        for child, module in model.get_submodule(name).named_children():
-            if _is_norm(module):
-                styles[f"{name}.{child}"] = f"SequenceParallel(sequence_dim={SEQ})"
+    styles.update(_norm_styles(model, layers))
     for path, kind in split.items():
         if _under(path, layers) is None:
             continue
