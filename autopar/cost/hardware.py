@@ -236,8 +236,8 @@ class Cluster:
                        devices_per_node=None)
 
     def perturbed(self, comm_slower: float = 1.0, overlap_scale: float = 1.0) -> Cluster:
-        """This cluster with every collective ``comm_slower`` times slower (bandwidths divided,
-        latencies multiplied) and the concurrent share of communication scaled by
+        """This cluster with every collective and host transfer ``comm_slower`` times slower
+        (bandwidths divided, latencies multiplied) and the concurrent share of communication scaled by
         ``overlap_scale``: what the robustness check of a plan asks."""
         node, device = self.node, self.device
         assert isinstance(device, DeviceSpec) and node is not None
@@ -245,7 +245,8 @@ class Cluster:
                        inter_bandwidth=node.inter_bandwidth / comm_slower,
                        intra_latency=node.intra_latency * comm_slower,
                        inter_latency=node.inter_latency * comm_slower,
-                       collective_latency=node.collective_latency * comm_slower)
+                       collective_latency=node.collective_latency * comm_slower,
+                       host_bandwidth=node.host_bandwidth / comm_slower)
         overlap = replace(device.overlap, concurrent=device.overlap.concurrent * overlap_scale)
         fits = tuple((k, a * comm_slower, b / comm_slower) for k, a, b in self.collective_fits)
         return replace(self, device=replace(device, overlap=overlap), node=node,

@@ -98,7 +98,7 @@ def robustness_section(d: dict) -> Section | None:
     step = r["step_time_s"]
     checks = r["checks"]
     rows = [["as predicted", fmt.seconds(step), "-"]]
-    for key, label in (("comm_1.5x_s", "every collective 1.5x slower"),
+    for key, label in (("comm_1.5x_s", "every transfer 1.5x slower"),
                        ("overlap_half_s", "half the overlap")):
         if key in checks:
             rows.append([label, fmt.seconds(checks[key]),
@@ -196,8 +196,8 @@ def runner_up_section(d: dict) -> Section:
                      a["lost_on"]])
     lines = [] if rows else ["no runner-up: the constraints or the model leave one candidate"]
     if rows:
-        lines.append("worst case = the slower of the step with every collective 1.5x slower "
-                     "and with half the overlap")
+        lines.append("worst case = the slower of the step with every collective and host "
+                     "transfer 1.5x slower and with half the overlap")
     return Section("Why this plan: the runner-ups", rows=rows, lines=lines,
                    headers=["#", "mesh", "ZeRO", "schedule", "micro-batches", "recompute",
                             "offload", "step", "slower", "worst case", "memory", "larger",

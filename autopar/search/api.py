@@ -102,8 +102,11 @@ def plan(
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
-    layouts, sharding = solve_layouts(graph, tps, hw, precision.compute,
-                                      decode=task == "infer")
+    if engine == "autopar":
+        layouts, sharding = solve_layouts(graph, tps, hw, precision.compute,
+                                          decode=task == "infer")
+    else:  # Megatron, DeepSpeed and torchtitan split every block as Megatron does
+        layouts, sharding = {}, []
     if task == "infer":
         from autopar.search.serving import serving_plan_search
 

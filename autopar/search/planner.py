@@ -91,8 +91,13 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
             m = replica_batch // mb
             if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
                 continue
-            sp_ok = sequence_parallel_possible(graph, facts, (layouts or {}).get(mesh.tp),
-                                               mesh.tp)
+            tp_layouts = (layouts or {}).get(mesh.tp)
+            sp_ok = sequence_parallel_possible(graph, facts, tp_layouts, mesh.tp)
+            if (not sp_ok and pins.get("sequence_parallel")
+                    and sequence_parallel_possible(graph, facts, None, mesh.tp)):
+                # the solver split nothing at this degree, but sequence parallelism was asked
+                # for: Megatron's split, which it shards between
+                tp_layouts, sp_ok = None, True
             for sp in ((False, True) if sp_ok else (False,)):
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
@@ -100,7 +105,7 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                                       cp=mesh.cp, cp_mode=pins.get("cp_mode", "ring"),
                                       sequence_parallel=sp, microbatch_size=mb,
                                       num_microbatches=m, stages=stages,
-                                      tp_layouts=(layouts or {}).get(mesh.tp), **defaults)
+                                      tp_layouts=tp_layouts, **defaults)
                 out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
                                           rejected, capacity, reasons))
     out.sort()

@@ -1,4 +1,4 @@
-"""Robust choice: how a plan's step time holds up if communication were 1.5x slower or
+"""Robust choice: how a plan's step time holds up if communication (host transfers too) were 1.5x slower or
 overlap were halved, and which of the plans within 3% of the fastest suffers least; among
 those, plans that leave memory headroom come first."""
 
@@ -10,7 +10,7 @@ from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
 
 ROBUST_MARGIN = 0.03  # plans this close to the fastest compete on sensitivity
-COMM_SLOWER = 1.5  # the sensitivity checks: every collective 1.5x slower ...
+COMM_SLOWER = 1.5  # the sensitivity checks: every collective and host transfer 1.5x slower ...
 OVERLAP_SCALE = 0.5  # ... or half of the overlap
 # a plan above this share of the usable memory risks running out: the caching allocator's
 # unusable share scatters over 6-10% of its pool between runs (meta-llama/llama-cookbook#120)
