@@ -14,10 +14,13 @@ from autopar.codegen.program import (
     PROGRAM_FILE,
     generated_program,
     load_program,
+    model_program,
+    model_program_text,
     program_state,
     program_text,
 )
 
 __all__ = ["GENERATE_FILE", "PROGRAM_FILE", "compile_artifact", "generate_program_text",
-           "generated_program", "load_artifact", "load_program", "program_file", "program_for",
+           "generated_program", "load_artifact", "load_program", "model_program",
+           "model_program_text", "program_file", "program_for",
            "program_state", "program_text", "regenerate_program"]

@@ -116,7 +116,7 @@ def _imports(w: _Writer, plan: Plan, source: dict, layout: TensorParallelLayout 
     w.line("import torch")
     if plan.devices > 1:
         w.line("from torch.distributed.device_mesh import init_device_mesh")
-    torch_style_imports(w, styles)
+    torch_style_imports(w, layout.styles if layout is not None else None)
     w.blank()
     if layout is not None:
         w.line("from autopar.runtime import program as ap")

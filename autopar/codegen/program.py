@@ -8,6 +8,10 @@ The program defines the functions the runtime's Trainer calls, in this order:
 plan)`` or, for pipelines, ``parallelize_stage(stage, mesh, plan, original)`` on each of this
 rank's stages (split at ``PIPELINE["chunks"]``); after the weights are allocated,
 ``replicate(model, mesh, plan)``; and ``build_optimizer(param_groups, mesh, hp)``.
+
+``autopar.parallelize`` runs the same program, rendered in memory for the user's model
+(:func:`model_program`) with one stated option, the LM head's output gathered whole, and
+calls the same functions on the model's real weights.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import hashlib
 import json
 import types
 from pathlib import Path
+
+from torch import nn
 
 from autopar.plan import Plan
 from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
@@ -26,30 +32,48 @@ _TORCH = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LAYERLESS = ("head", "tail", "root")
 
 
-def program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
-    """The program for ``plan`` (``source``: the manifest's model recipe)."""
+def program_text(plan: Plan, source: dict, *, model_name: str = "",
+                 whole_logits: bool = False) -> str:
+    """The program for ``plan`` (``source``: the manifest's model recipe). ``whole_logits``:
+    see :func:`model_program_text`."""
     from autopar.runtime.source import build_from_source
-    from autopar.runtime.tensor_parallel import tensor_parallel_layout
 
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:  # the layout names the adapters' parameters too
         from autopar.peft import apply_peft
 
         apply_peft(model, plan.peft)
+    return model_program_text(plan, model, source=source, model_name=model_name,
+                              whole_logits=whole_logits)
+
+
+def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = None,
+                       model_name: str = "", whole_logits: bool = False) -> str:
+    """The program for ``plan`` and ``model`` (read for its structure only, never changed: on
+    meta, or the user's model with its weights; with the plan's fine-tuning method applied).
+    ``whole_logits``: a tensor-parallel LM head gathers its output whole on every rank, for a
+    caller's own loss (``autopar.parallelize``), instead of leaving it split over the
+    vocabulary for autopar's vocabulary-parallel loss (the Trainer's); the program states
+    which."""
+    from autopar.runtime.tensor_parallel import tensor_parallel_layout
+
+    source = source or {}
     m = plan.mesh
     layout = None
     if m["tp"] > 1:
-        layout = tensor_parallel_layout(model, plan, traced=m["pp"] > 1)
+        layout = tensor_parallel_layout(model, plan, traced=m["pp"] > 1,
+                                        whole_logits=whole_logits)
     layers = [n for n in layer_names(plan)]
     seq = next(iter(plan.model["inputs"].values()))[-1]
     w = _Writer()
     _header(w, plan, source, model_name or type(model).__name__,
-            layout.styles if layout is not None else {})
+            layout.styles if layout is not None else None)
     _mesh(w, plan)
     if plan.peft:
         _peft(w, plan)
     if layout is not None:
         _tensor_parallel_tables(w, layout, layers)
+        _logits_statement(w, layout, layers, whole_logits)
     recompute = {b["name"]: mode for b, mode in zip(plan.model["blocks"], plan.recompute,
                                                       strict=True)
                  if mode != "none" and b["name"] not in _LAYERLESS}
@@ -80,6 +104,19 @@ def load_program(text: str, filename: str = PROGRAM_FILE) -> types.ModuleType:
     module.__file__ = filename
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - the plan's program
     return module
+
+
+# the file name a program rendered in memory is compiled under (tracebacks name it)
+IN_MEMORY_PROGRAM = "<autopar.parallelize train.py>"
+
+
+def model_program(plan: Plan, model: nn.Module, *, whole_logits: bool = True
+                  ) -> tuple[str, types.ModuleType]:
+    """(text, module) of the training program for ``plan`` and ``model``, rendered in memory
+    (no artifact directory) and loaded as a fresh module: what ``autopar.parallelize`` runs.
+    The text is this module's own output; plan values enter it only as literals."""
+    text = model_program_text(plan, model, whole_logits=whole_logits)
+    return text, load_program(text, IN_MEMORY_PROGRAM)
 
 
 def generated_program(plan: Plan, source: dict) -> types.ModuleType:
@@ -147,7 +184,7 @@ def _value(v: object) -> str:
 
 
 def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
-            styles: dict[str, str]) -> None:
+            styles: dict[str, str] | None) -> None:
     m = plan.mesh
     predicted = plan.predicted.step_time_s if plan.predicted else 0.0
     w.line('"""Training program for ' + model_name + f" on {plan.devices} device"
@@ -180,7 +217,7 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     torch_style_imports(w, styles)
     w.blank()
     w.line("from autopar.runtime import program as ap")
-    autopar_style_imports(w, styles)
+    autopar_style_imports(w, styles or {})
     w.blank()
     if source.get("kind") == "hf_config":
         arch = (source["config"].get("architectures") or [model_name])[0]
@@ -193,9 +230,11 @@ def _style_names(styles: dict[str, str], *candidates: str) -> str:
     return ", ".join(n for n in candidates if n in used)
 
 
-def torch_style_imports(w: _Writer, styles: dict[str, str]) -> None:
-    """The torch imports the tensor-parallel ``styles`` (their source text) need."""
-    if not styles:
+def torch_style_imports(w: _Writer, styles: dict[str, str] | None) -> None:
+    """The torch imports the tensor-parallel ``styles`` (their source text) need; None: no
+    tensor parallelism. A layout with no styles (tp > 1, nothing split) still calls
+    ``parallelize_module``, with nothing to do."""
+    if styles is None:
         return
     if _style_names(styles, "Replicate", "Shard"):
         w.line(f"from torch.distributed.tensor import {_style_names(styles, 'Replicate', 'Shard')}")
@@ -213,6 +252,23 @@ def autopar_style_imports(w: _Writer, styles: dict[str, str]) -> None:
     ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel")
     if ours:
         w.line(f"from autopar.runtime.tp_styles import {ours}")
+
+
+def _logits_statement(w: _Writer, layout: TensorParallelLayout, layers: list[str],
+                      whole_logits: bool) -> None:
+    """Say where a column-parallel LM head's output ends up (its style above does it; this
+    says for which loss). Nothing without one, and nothing for pipeline stages, whose last
+    stage always hands whole logits to the loss."""
+    heads = [p for p, style in layout.styles.items() if style.startswith("ColumnParallel(")
+             and not any(p == n or p.startswith(n + ".") for n in layers)]
+    if layout.traced or not heads:
+        return
+    if whole_logits:
+        w.line("# the LM head's output: gathered whole on every rank, for your own loss "
+               "(autopar.parallelize)")
+    else:
+        w.line("# the LM head's output: split over the vocabulary, for autopar's "
+               "vocabulary-parallel loss")
 
 
 def _peft(w: _Writer, plan: Plan) -> None:
@@ -360,7 +416,9 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
 def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
     w.blank(2)
     w.line("def parallelize(model, mesh, plan):")
-    w.line('    """Lay the model out as planned; runs on meta, before any weight exists."""')
+    w.line('    """Lay the model out as planned: on meta before any weight exists (autopar run), '
+           'or on the')
+    w.line('    weights of your model (autopar.parallelize)."""')
     if layout is not None:
         _tp_statements(w, "model", _relative_styles(layout, layer_names(plan))[0] is not None,
                        pipeline=False)
@@ -388,7 +446,8 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
     w.blank(2)
     w.line("def parallelize_stage(stage, mesh, plan, original):")
     w.line('    """Lay out one of this rank\'s pipeline stages (a traced piece of ``original``), '
-           'on meta."""')
+           'on meta')
+    w.line('    (autopar run) or on the weights (autopar.parallelize)."""')
     if layout is not None:
         _tp_statements(w, "stage", _relative_styles(layout, layer_names(plan))[0] is not None,
                        pipeline=True)

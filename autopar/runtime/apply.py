@@ -3,13 +3,15 @@
 For people with their own loss, data and loop (a classifier, Hugging Face's Trainer,
 Lightning): build the model as usual on every rank (same seed, or load the same weights),
 call :func:`parallelize` inside the torchrun script, then build the optimizer with
-:func:`optimizer`. The pieces are the Trainer's: DTensor tensor and sequence parallelism,
-recompute as planned, DDP or fully_shard per the plan's ZeRO stage and offload.
+:func:`optimizer`. It runs the program ``autopar run`` runs (autopar.codegen.program, rendered
+in memory for your model): DTensor tensor and sequence parallelism, recompute as planned, DDP
+or fully_shard per the plan's ZeRO stage and offload, the pipeline split and schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -21,12 +23,6 @@ from autopar.plan.support import refuse_unsupported
 from autopar.plan.tp_entries import FIX
 from autopar.runtime.expert_parallel import check_expert_parallel
 from autopar.runtime.model_heads import heads_mismatch, output_features
-from autopar.runtime.parallelize import (
-    apply_recompute,
-    replicate_data_parallel,
-    shard_data_parallel,
-)
-from autopar.runtime.tensor_parallel import apply_tensor_parallel
 
 
 def check_module_paths(model: nn.Module, plan: Plan) -> None:
@@ -75,6 +71,12 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     says, in the current process group (world size = ``plan.devices``). A fine-tuning plan's
     method (``plan.peft``) is applied first unless the model has it already.
 
+    It runs the training program ``autopar compile`` writes for the plan (train.py, rendered
+    in memory for this model, the LM head's output gathered whole for your loss): its
+    ``build_mesh``, ``parallelize`` and ``replicate``, or for pipelines its
+    ``parallelize_stage`` on each of this rank's stages. The text it ran is the returned
+    object's ``_autopar_program`` (:data:`PROGRAM_ATTR`).
+
     Without pipeline stages it returns the module to train (a DDP wrapper under ZeRO-0/1, else
     ``model`` itself); outputs stay whole, so any loss works. Tensor-parallel weights are taken
     from rank 0. With pipeline stages (pp > 1) it returns a :class:`Pipeline`: this rank's
@@ -86,10 +88,14 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     before each step, as the Trainer does).
     """
     refuse_unsupported(plan)
+    check_expert_parallel(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
+    if plan.mesh["pp"] > 1 and (example is None or loss_fn is None):
+        raise PlanError("the plan has pipeline stages: pass example= (one micro-batch of "
+                        "inputs) and loss_fn=(output, target) to autopar.parallelize")
     if plan.peft:  # a fine-tuning plan: the method it was planned with, applied once
         from autopar.peft import applied_method, apply_peft
 
@@ -97,57 +103,44 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
             apply_peft(model, plan.peft)
     check_module_paths(model, plan)
     check_tp_entries(model, plan)
-    from autopar.runtime.mesh import build_mesh, single_process_mesh
+    from autopar.codegen.program import model_program
 
+    text, program = model_program(plan, model, whole_logits=True)
+    mesh = program.build_mesh(device)
     if plan.mesh["pp"] > 1:
-        if example is None or loss_fn is None:
-            raise PlanError("the plan has pipeline stages: pass example= (one micro-batch of "
-                            "inputs) and loss_fn=(output, target) to autopar.parallelize")
-        return _pipeline(model, plan, device, build_mesh(plan, device), example, loss_fn)
-    dp_mesh = None
-    if world > 1:
-        mesh = build_mesh(plan, device)
-        dp_mesh = mesh["dp"]
-        if plan.mesh["tp"] > 1:
-            apply_tensor_parallel(model, plan, mesh["tp"], whole_logits=True)
-        if plan.mesh["ep"] > 1:
-            from autopar.runtime.expert_parallel import (
-                apply_expert_parallel,
-                shard_expert_data_parallel,
-            )
-
-            check_expert_parallel(plan)
-            experts = apply_expert_parallel(model, plan, mesh["ep"])
-            apply_recompute(model, plan)
-            if shard_expert_data_parallel(model, plan, mesh, experts):
-                return model
-            return _replicate_experts(model, plan, mesh, experts)
-    elif {"optimizer", "params"} & set(plan.offload):
-        dp_mesh = single_process_mesh(plan, device)["dp"]
-    apply_recompute(model, plan)
-    if shard_data_parallel(model, plan, dp_mesh):
-        return model
-    return replicate_data_parallel(model, plan, dp_mesh)[0]
+        result = _pipeline(model, plan, device, mesh, program, example, loss_fn)
+    else:
+        # written for a meta model, the Trainer's; on real weights the same calls distribute
+        # each rank's tensors (tensor-parallel shards from rank 0, fully_shard's from each
+        # rank's own copy, offload to the host) instead of leaving them to materialize
+        program.parallelize(model, mesh, plan)
+        result = _with_expert_sync(program.replicate(model, mesh, plan), plan, mesh)
+    setattr(result, PROGRAM_ATTR, text)
+    return result
 
 
+# the attribute of what :func:`parallelize` returns holding the program text it ran
+PROGRAM_ATTR = "_autopar_program"
 # the attribute of a ZeRO-0 expert-parallel model holding its expert-gradient sync, which the
 # optimizer from :func:`optimizer` runs before each step
 EXPERT_SYNC_ATTR = "_autopar_sync_expert_grads"
 
 
-def _replicate_experts(model: nn.Module, plan: Plan, mesh, experts: list) -> nn.Module:
-    """ZeRO-0 under expert parallelism, as the generated program and the Trainer run it: DDP
-    over dp x ep for the dense parameters (the generated program's ``replicate``), and the
-    experts' gradients summed over dp and divided by dp x ep once the step's backwards are
-    done (the Trainer's :func:`sync_expert_grads`), here by the optimizer before its step."""
+def _with_expert_sync(model: nn.Module, plan: Plan, mesh) -> nn.Module:
+    """Under expert parallelism with ZeRO-0 the program's ``replicate`` leaves the experts out
+    of DDP; their gradients are summed over dp and divided by dp x ep once the step's
+    backwards are done (the Trainer's :func:`sync_expert_grads`), here by the optimizer
+    before its step. Loop glue, not data parallelism of its own."""
     from functools import partial
 
-    from autopar.runtime.expert_parallel import replicate_expert_data_parallel, sync_expert_grads
+    from autopar.runtime.expert_parallel import ExpertParallelExperts, sync_expert_grads
 
-    ddp = replicate_expert_data_parallel(model, plan, mesh, experts)
+    if plan.mesh["ep"] == 1 or not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     dp_group = mesh["dp"].get_group() if plan.mesh["dp"] > 1 else None
-    setattr(ddp, EXPERT_SYNC_ATTR, partial(sync_expert_grads, experts, plan, dp_group))
-    return ddp
+    setattr(model, EXPERT_SYNC_ATTR, partial(sync_expert_grads, experts, plan, dp_group))
+    return model
 
 
 @dataclass
@@ -185,26 +178,24 @@ class Pipeline:
         return total
 
 
-def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, example: torch.Tensor,
-              loss_fn) -> Pipeline:
-    """Trace ``model`` (built, with weights), split it at the plan's stages, and lay each of
-    this rank's stages out as the generated program does: tensor parallelism (traced
-    styles), recompute, data parallelism."""
+def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleType,
+              example: torch.Tensor, loss_fn) -> Pipeline:
+    """Trace ``model`` (built, with weights), split it at the program's chunks, and lay each
+    of this rank's stages out with the program's ``parallelize_stage``, as the Trainer
+    does (there on meta)."""
     from autopar.runtime.pipeline import build_pipeline, replicated_stages, tied_copies
-    from autopar.runtime.tensor_parallel import apply_layout, tensor_parallel_layout
 
     tied = tied_copies(model)
-    layout = tensor_parallel_layout(model, plan, traced=True) if plan.mesh["tp"] > 1 else None
-    dp_mesh = mesh["dp"]
+    spec = program.PIPELINE
 
     def lay_out(stage: nn.Module) -> None:
-        if layout is not None:
-            apply_layout(stage, layout, mesh["tp"], original=model)
-        apply_recompute(stage, plan, skip_missing=True)
-        shard_data_parallel(stage, plan, dp_mesh)
+        program.parallelize_stage(stage, mesh, plan, model)
 
-    _, schedule, modules = build_pipeline(model, plan, mesh["pp"], device, example, loss_fn,
-                                          lay_out)
+    _, schedule, modules = build_pipeline(
+        model, plan, mesh["pp"], device, example, loss_fn, lay_out,
+        chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
+        microbatches=spec["microbatches"])
+    dp_mesh = mesh["dp"]
     dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
     return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
                     replicated_stages(plan, dp_mesh), tied)

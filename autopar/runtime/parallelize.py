@@ -1,6 +1,8 @@
-"""Apply a Plan to a module with PyTorch's own pieces: DTensor tensor and sequence parallelism
-(in tensor_parallel.py), checkpoint wrappers for recompute, DDP / ZeroRedundancyOptimizer /
-fully_shard for data parallelism."""
+"""The pieces the generated training program (autopar.codegen.program) calls or states, shared
+with the runtime: checkpoint wrappers and their policies for recompute, which data-parallel
+wrapper a plan uses (DDP / fully_shard), its precision policies, and the host cores an
+offloading rank uses. Applying a plan is the program's job: ``autopar run`` and
+``autopar.parallelize`` both run it."""
 
 from __future__ import annotations
 
@@ -15,41 +17,23 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from autopar.cost.recompute_policy import OP_POLICY_ALTERNATING, op_policy_keeps
 from autopar.plan import Plan
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names, tied_modules
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, layer_names
 
-__all__ = ["apply_data_parallel", "apply_recompute", "apply_tensor_parallel",
-           "replicate_data_parallel", "shard_data_parallel"]
+__all__ = ["apply_tensor_parallel", "recompute_block"]
 
 
-# older private names, still imported by sibling modules
+# an older private name, still imported by sibling modules
 _layer_names = layer_names
-_tied_modules = tied_modules
-
-
-def apply_recompute(model: nn.Module, plan: Plan, skip_missing: bool = False) -> None:
-    """Wrap each block's module as the plan says. ``full`` checkpoints the whole layer;
-    ``selective`` checkpoints it too, but with a policy that keeps every op's output except
-    the attention core's (the cost model's meaning: from the score matmul to the value matmul,
-    or the fused SDPA op), so only those are recomputed, whatever the attention child is
-    called; ``op`` checkpoints it with torchtitan's op-level policy (:func:`op_level_policy`),
-    the one the cost model prices. ``skip_missing`` for a pipeline stage that holds some layers."""
-    seq = next(iter(plan.model["inputs"].values()))[-1]
-    for block, mode in zip(plan.model["blocks"], plan.recompute, strict=True):
-        name = block["name"]
-        if mode == "none" or name in ("head", "tail", "root"):
-            continue
-        if skip_missing:
-            try:
-                model.get_submodule(name)
-            except AttributeError:
-                continue
-        recompute_block(model, name, mode, seq)
 
 
 def recompute_block(model: nn.Module, name: str, mode: str, seq: int) -> None:
-    """Wrap the module at ``name`` for ``mode`` recompute ("full", "selective" or "op", see
-    :func:`apply_recompute`); ``seq`` is the sequence length (selective recompute recognises
-    the seq x seq score tensors)."""
+    """Wrap the module at ``name`` (a layer of the plan) for ``mode`` recompute. ``full``
+    checkpoints the whole layer; ``selective`` checkpoints it too, but with a policy that keeps
+    every op's output except the attention core's (the cost model's meaning: from the score
+    matmul to the value matmul, or the fused SDPA op), so only those are recomputed, whatever
+    the attention child is called; ``op`` checkpoints it with torchtitan's op-level policy
+    (:func:`op_level_policy`), the one the cost model prices. ``seq`` is the sequence length
+    (selective recompute recognises the seq x seq score tensors)."""
     if mode == "none":
         return
     parent_name, _, child = name.rpartition(".")
@@ -135,58 +119,6 @@ def data_parallel_wrapper(plan: Plan) -> str:
 def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
     """:func:`data_parallel_wrapper` on this rank: "none" without a data-parallel mesh."""
     return "none" if dp_mesh is None else data_parallel_wrapper(plan)
-
-
-def shard_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
-    """The fully_shard half of :func:`apply_data_parallel`: ``module`` (the model, or a
-    pipeline stage) gets fully_shard on the plan's layers it holds, then on itself, as the
-    plan's ZeRO stage (2/3) and offload say; returns whether it applied. Works on a meta
-    module, before ``materialize``."""
-    if data_parallel_kind(plan, dp_mesh) != "fully_shard":
-        return False
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-    reshard = plan.zero_stage == 3
-    # FSDP2 offloads parameters, gradients and the optimizer step together; pinned memory
-    # needs an accelerator, so it is pinned only where one exists
-    offload = {"optimizer", "params"} & set(plan.offload)
-    policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
-    if offload:
-        use_host_cores()
-    mp = mixed_precision_policy(plan)
-    present = dict(module.named_modules())
-    for name in _layer_names(plan):
-        if name in present:
-            fully_shard(present[name], mesh=dp_mesh, reshard_after_forward=reshard,
-                        offload_policy=policy, mp_policy=mp)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
-                mp_policy=mp)
-    return True
-
-
-def replicate_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
-                            ) -> tuple[nn.Module, bool]:
-    """The DDP half of :func:`apply_data_parallel` (ZeRO 0/1). DDP broadcasts and buckets
-    real tensors, so it runs after ``materialize``. Returns (model,
-    use_zero_redundancy_optimizer); the model unchanged when the plan needs no DDP."""
-    if data_parallel_kind(plan, dp_mesh) != "ddp":
-        return model, False
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
-    return ddp, plan.zero_stage == 1
-
-
-def apply_data_parallel(model: nn.Module, plan: Plan, dp_mesh: DeviceMesh | None
-                        ) -> tuple[nn.Module, bool]:
-    """DDP for ZeRO 0/1 (with a sharded optimizer for 1) without tensor parallelism, else
-    fully_shard: ZeRO-2 keeps parameters gathered after the forward, ZeRO-3 reshards them.
-    Optimizer or parameter offload uses fully_shard's CPU offload policy (also with dp = 1).
-    The Trainer calls the two halves separately, around ``materialize``.
-
-    Returns (model, use_zero_redundancy_optimizer).
-    """
-    if shard_data_parallel(model, plan, dp_mesh):
-        return model, False
-    return replicate_data_parallel(model, plan, dp_mesh)
 
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -78,11 +78,11 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
     from torch.distributed.tensor import DTensor
 
     from autopar.plan import Plan
-    from autopar.runtime.apply import optimizer
+    from autopar.runtime.apply import PROGRAM_ATTR, optimizer
 
     torch.manual_seed(0)
     model, _ = FACTORIES[name]()  # every rank builds the same weights
-    dp, mine, pipe = 1, 0, None
+    dp, mine, pipe, program = 1, 0, None, ""
     if plan_dict is not None:
         plan = Plan.from_dict(plan_dict)
         dp = plan.mesh["dp"]
@@ -91,6 +91,7 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
         example = _batches(name)[0][0][:plan.microbatch_size]
         model = autopar.parallelize(model, plan, example=example, loss_fn=_loss)
         pipe = model if plan.mesh["pp"] > 1 else None
+        program = getattr(model, PROGRAM_ATTR)  # the training program it ran
         opt = optimizer(model, plan, lr=1e-2)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -122,7 +123,7 @@ def _train(name: str, plan_dict: dict | None) -> tuple:
         names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
         if "tp" in names:
             split[_plain_name(n)] = str(p.placements[names.index("tp")])
-    return losses, grads, split
+    return losses, grads, split, program
 
 
 def _plan(name: str, devices: int, pins: dict):
@@ -189,3 +190,30 @@ def test_plain_gpt_through_the_generated_program_equals_one_process(devices, pin
     assert got[1] > 0  # weights really are split
     for key, value in want[2].items():
         np.testing.assert_allclose(got[2][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_parallelize_runs_the_program_autopar_run_runs(single, tmp_path) -> None:
+    """One path from plan to PyTorch calls: ``autopar.parallelize`` runs the artifact's
+    train.py for the same plan, but for the stated option that the LM head's output comes
+    back whole for the user's own loss (the Trainer's loss is vocabulary-parallel); on two
+    processes (tp2, drawn from the search) it equals one process."""
+    import difflib
+
+    plan = _plan("gpt", 2, dict(tp=2))
+    got = spawn_ranks(_own_loop, 2, (2, "gpt", plan.to_dict()))[0]
+    _assert_equal(single["gpt"], got)
+    assert got[2].get("lm_head.weight") == "S(0)"  # the head really is split
+    out = autopar.compile("tests.fixtures.plain_models:make_gpt", None, plan, tmp_path / "art")
+    artifact = (out / "train.py").read_text().splitlines()
+    ran = got[3].splitlines()
+    changed = [(a, b) for tag, i1, i2, j1, j2 in
+               difflib.SequenceMatcher(None, artifact, ran).get_opcodes() if tag != "equal"
+               for a, b in zip(artifact[i1:i2], ran[j1:j2], strict=True)]
+    assert changed == [
+        ('    "lm_head": ColumnParallel(use_local_output=False),',
+         '    "lm_head": ColumnParallel(output_layouts=Replicate()),'),
+        ("# the LM head's output: split over the vocabulary, for autopar's vocabulary-parallel "
+         "loss",
+         "# the LM head's output: gathered whole on every rank, for your own loss "
+         "(autopar.parallelize)"),
+    ]

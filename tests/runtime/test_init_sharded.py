@@ -46,9 +46,10 @@ def _parallelise(model: nn.Module, how: str, plan_dict: dict | None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from autopar.codegen import model_program
     from autopar.plan import Plan
     from autopar.runtime.mesh import build_mesh
-    from autopar.runtime.parallelize import apply_data_parallel, apply_tensor_parallel
+    from autopar.runtime.parallelize import apply_tensor_parallel
 
     if how == "ep2":
         from types import SimpleNamespace
@@ -67,8 +68,8 @@ def _parallelise(model: nn.Module, how: str, plan_dict: dict | None) -> None:
         mesh = build_mesh(plan, "cpu")
         if how == "tp2":
             apply_tensor_parallel(model, plan, mesh["tp"])
-        else:
-            apply_data_parallel(model, plan, mesh["dp"])
+        else:  # the generated program's fully_shard, on meta as the Trainer runs it
+            model_program(plan, model)[1].parallelize(model, mesh, plan)
 
 
 class _LiveBytes:

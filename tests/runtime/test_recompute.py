@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.runtime.parallelize import apply_recompute
 
 SEQ, D = 16, 32
 
@@ -92,7 +91,7 @@ def test_selective_recomputes_the_attention_core_only(fused: bool) -> None:
                             constraints={"recompute": mode})
         assert set(plan.recompute[1:-1]) == {mode}  # the search kept the pinned mode
         wrapped = copy.deepcopy(model)
-        apply_recompute(wrapped, plan)
+        autopar.parallelize(wrapped, plan)  # the program's recompute wrappers
         runs[mode] = _counts_and_grads(wrapped, ids)
     none, selective, full = (runs[m][0] for m in ("none", "selective", "full"))
     layers = len(model.layers)
