@@ -451,8 +451,17 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
     if layout is not None:
         _tp_statements(w, "stage", _relative_styles(layout, layer_names(plan))[0] is not None,
                        pipeline=True)
+    if plan.mesh["ep"] > 1:
+        w.line("    # expert parallelism over mesh[\"ep\"]: the stage's experts back as the "
+               "original modules, each rank holding its experts; tokens travel by all-to-all")
+        w.line("    experts = ap.stage_expert_parallel(stage, original, mesh)")
     _recompute_statements(w, "stage", pipeline=True)
-    _shard_statements(w, plan, "stage")
+    if plan.mesh["ep"] > 1:
+        w.line("    # data parallelism: dense modules over dp x ep, experts over dp (ZeRO-0: the "
+               "runtime averages the gradients after each schedule step)")
+        w.line("    ap.shard_experts(stage, mesh, plan, experts)")
+    else:
+        _shard_statements(w, plan, "stage")
     w.line("    return stage")
 
 

@@ -29,9 +29,6 @@ def check_expert_parallel(plan: Plan) -> None:
     """Refuse, before any work, the ep combinations the runtime does not implement."""
     if plan.mesh["ep"] == 1:
         return
-    if plan.mesh["pp"] > 1:
-        raise PlanError("expert parallelism with pipeline parallelism is not in the runtime "
-                        "yet; re-plan with constraints pp=1 or ep=1")
     if plan.mesh["tp"] > 1 and plan.sequence_parallel:
         raise PlanError("expert parallelism with sequence parallelism is not in the runtime "
                         "yet; re-plan with constraints sequence_parallel=false or ep=1")
@@ -184,16 +181,19 @@ def data_rank(mesh: DeviceMesh) -> int:
     return mesh["dp"].get_local_rank() * mesh["ep"].size() + mesh["ep"].get_local_rank()
 
 
-def _expert_uses_ddp(plan: Plan) -> bool:
+def experts_use_ddp(plan: Plan) -> bool:
+    """Whether an expert-parallel plan replicates its dense parameters with DDP (or, in a
+    pipeline, an all-reduce after the schedule's step) rather than fully_shard: ZeRO-0
+    without tensor parallelism or offload."""
     offload = {"optimizer", "params"} & set(plan.offload)
     return plan.zero_stage == 0 and not offload and plan.mesh["tp"] == 1
 
 
 def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
                                experts: list[ExpertParallelExperts]) -> bool:
-    """The fully_shard half of :func:`apply_expert_data_parallel`, in place (on a meta model,
-    before ``materialize``); returns whether it applied."""
-    if _expert_uses_ddp(plan):
+    """The fully_shard half of :func:`apply_expert_data_parallel`, in place (on a meta model
+    or pipeline stage, before ``materialize``); returns whether it applied."""
+    if experts_use_ddp(plan):
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -214,7 +214,8 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
         # a sum then one division (gloo has no pre-multiplied sum); not with dp = 1, where
         # torch 2.13's one-rank shortcut already divides and would divide a second time
         module.set_force_sum_reduction_for_comms(dp > 1)
-    for name in _layer_names(plan):
+    present = {n for n, _ in model.named_modules()}  # a pipeline stage holds some layers
+    for name in (n for n in _layer_names(plan) if n in present):
         fully_shard(model.get_submodule(name), mesh=dense, reshard_after_forward=reshard,
                     offload_policy=policy, mp_policy=mp)
     fully_shard(model, mesh=dense, reshard_after_forward=reshard, offload_policy=policy,
@@ -226,7 +227,7 @@ def replicate_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMes
                                    experts: list[ExpertParallelExperts]) -> nn.Module:
     """The DDP half of :func:`apply_expert_data_parallel` (ZeRO-0): DDP over dp x ep for the
     dense parameters, the experts ignored. Needs real tensors: after ``materialize``."""
-    if not _expert_uses_ddp(plan):
+    if not experts_use_ddp(plan):
         return model
     mine = {id(p) for m in experts for p in m.parameters()}
     ignore = [n for n, p in model.named_parameters() if id(p) in mine]

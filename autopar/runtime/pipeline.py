@@ -109,6 +109,11 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
     schedule = schedule or plan.schedule
     microbatches = microbatches or plan.num_microbatches
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
+    experts = []
+    if plan.mesh["ep"] > 1:
+        from autopar.runtime.expert_parallel import find_experts
+
+        experts = find_experts(model)  # before the trace: the lay-out must split each one
     _untie(model)
     # traced on the whole, unsplit model: tensor parallelism is applied to the stage modules
     # after the split, and keeps the global shapes the trace baked in (see tensor_parallel)
@@ -123,6 +128,10 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
     if lay_out is not None:
         for i in indices:
             lay_out(pipe.get_stage_module(i))
+    if experts:
+        from autopar.runtime.stage_experts import check_stage_experts
+
+        check_stage_experts([pipe.get_stage_module(i) for i in indices], experts)
     group = pp_mesh.get_group()
     # a meta stage module stays on meta here (build_stage moves only real tensors);
     # materialize_stages allocates it
@@ -299,10 +308,15 @@ def replicated_stages(plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
 
 
 def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,
-                             bucket_bytes: int = 25 * 2**20) -> None:
+                             bucket_bytes: int = 25 * 2**20,
+                             skip: list[nn.Module] = ()) -> None:
     """Average the stage gradients over the data-parallel replicas, in buckets of about
-    ``bucket_bytes`` (DDP's default bucket size) so that a large stage is a few collectives."""
-    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    ``bucket_bytes`` (DDP's default bucket size) so that a large stage is a few collectives.
+    The parameters of the ``skip`` modules (expert-parallel experts, reduced their own way)
+    are left alone."""
+    skipped = {id(p) for m in skip for p in m.parameters()}
+    grads = [p.grad for m in modules for p in m.parameters()
+             if p.grad is not None and id(p) not in skipped]
     bucket: list[torch.Tensor] = []
     size = 0
     for i, g in enumerate(grads):

@@ -14,7 +14,7 @@ from autopar.runtime.tp_styles import localize_heads as _localize_one
 
 __all__ = ["expert_parallel", "localize_heads", "present", "recompute", "replicate_experts",
            "use_host_cores",
-           "prepare_stage", "shard_experts", "single_process_mesh"]
+           "prepare_stage", "shard_experts", "single_process_mesh", "stage_expert_parallel"]
 
 
 def present(model: nn.Module, items: Iterable[str] | dict) -> list[str] | dict:
@@ -53,6 +53,15 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     from autopar.runtime.expert_parallel import apply_expert_parallel
 
     return apply_expert_parallel(model, None, mesh["ep"])
+
+
+def stage_expert_parallel(stage: nn.Module, original: nn.Module, mesh: DeviceMesh
+                          ) -> list[nn.Module]:
+    """In a traced pipeline stage, put the original experts modules back in place of their
+    traced copies and swap each for its expert-parallel version over ``mesh["ep"]``."""
+    from autopar.runtime.stage_experts import stage_expert_parallel as _stage
+
+    return _stage(stage, original, mesh["ep"])
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan, experts: list) -> None:

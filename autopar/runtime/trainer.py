@@ -140,7 +140,8 @@ class Trainer:
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
         # the ranks whose losses make up the global mean: dp, or dp x ep under expert parallelism
-        self.replica_group = dense_mesh(mesh).get_group() if self.experts else self.dp_group
+        self.replica_group = dense_mesh(mesh).get_group() if plan.mesh["ep"] > 1 \
+            else self.dp_group
         self.optimizer = program.build_optimizer(decay_groups(self.model, hyper.weight_decay),
                                                  mesh, hyper)
         self.log = log if self.rank == 0 else None
@@ -180,7 +181,12 @@ class Trainer:
                                               self.weights)
         for module in modules:  # the profiler sees each stage's forward as one phase
             mark_forward(module)
-        self.replicated = replicated_stages(plan, dp_mesh)
+        if plan.mesh["ep"] > 1:  # dense replicas span dp x ep, even with dp = 1
+            from autopar.runtime.expert_parallel import experts_use_ddp
+
+            self.replicated = experts_use_ddp(plan)
+        else:
+            self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
 
     def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
@@ -202,7 +208,13 @@ class Trainer:
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp
             from autopar.runtime.pipeline import all_reduce_replica_grads
 
-            all_reduce_replica_grads(list(self.model), self.dp_group, self.plan.mesh["dp"])
+            mesh = self.plan.mesh
+            if mesh["ep"] > 1:  # dense over dp x ep; experts summed over dp, divided alike
+                all_reduce_replica_grads(list(self.model), self.replica_group,
+                                         mesh["dp"] * mesh["ep"], skip=self.experts)
+                sync_expert_grads(self.experts, self.plan, self.dp_group)
+            else:
+                all_reduce_replica_grads(list(self.model), self.dp_group, mesh["dp"])
         total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
             else torch.zeros((), device=self.device)
         if self.scaler is not None and losses:

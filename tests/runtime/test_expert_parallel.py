@@ -154,6 +154,52 @@ def test_mixture_of_experts_pipeline_matches_single_process(mixtral, pins: dict)
         assert np.linalg.norm(grads[name] - ref) <= 1e-4 * np.linalg.norm(ref), name
 
 
+PIPELINE_CASES = {
+    "zero0": dict(zero_stage=0),
+    "zero3": dict(zero_stage=3),
+    "1f1b full recompute": dict(zero_stage=0, schedule="1f1b", recompute="full"),
+    "zero-bubble zero2": dict(zero_stage=2, schedule="zero_bubble"),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_CASES))
+def test_expert_parallel_inside_pipeline_stages_matches_single_process(mixtral,
+                                                                       case: str) -> None:
+    """pp2 x ep2 (4 processes): each traced stage gets its experts back as the original
+    modules, split over ep with the all-to-all dispatch; dense gradients averaged over the
+    ep replicas (an all-reduce after the schedule's step, or fully_shard over dp x ep). The
+    search's schedule holds several stages per rank, the embedding's and the head's without
+    experts. Losses and every first-step gradient equal one process's."""
+    source, graph, reference, _ = mixtral
+    pins = PIPELINE_CASES[case]
+    plan = _plan(graph, 4, pp=2, ep=2, dp=1, microbatch_size=1, **pins)
+    assert (plan.mesh["pp"], plan.mesh["ep"], plan.zero_stage) == (2, 2, pins["zero_stage"])
+    assert plan.schedule == pins.get("schedule", plan.schedule)
+    assert pins.get("recompute", "none") in plan.recompute
+    losses, sharded, grads, probe = run_ranks(source, plan, STEPS, first_grads=True,
+                                              probe=_stage_probe, timeout_s=400)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert losses[0] != losses[-1]  # it trains
+    # rank 0 (first pipeline rank) holds MoE layers: 2 of its 4 experts' weights each
+    assert probe["experts"] >= 1 and sharded >= 2 * probe["experts"]
+    assert probe["local_experts"] == {NUM_EXPERTS // 2}
+    *_, reference_grads = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), 1,
+                                    first_grads=True)
+    assert grads.keys() == reference_grads.keys()
+    assert any(".experts." in name for name in grads)
+    for name, ref in reference_grads.items():
+        assert np.linalg.norm(grads[name] - ref) <= 1e-4 * np.linalg.norm(ref), name
+
+
+def _stage_probe(trainer) -> dict:
+    """This rank's expert-parallel experts: how many, and how many experts each stores."""
+    from autopar.runtime.expert_parallel import ExpertParallelExperts
+
+    experts = [m for m in trainer.model.modules() if isinstance(m, ExpertParallelExperts)]
+    assert experts == trainer.experts
+    return dict(experts=len(experts), local_experts={m.num_local for m in experts})
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_gradients_match_single_process(mixtral, case: str) -> None:
     """Adam barely notices a constant gradient scale, so the losses alone would not catch an
@@ -178,15 +224,28 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(mixtral, tmp_path) ->
     assert first + rest == pytest.approx(reference, rel=1e-4)
 
 
+def test_pipeline_expert_parallel_checkpoint_resumes_in_one_process(mixtral, tmp_path) -> None:
+    """pp2 x ep2 stages save their ep-sharded experts; one process loads them whole."""
+    source, graph, reference, _ = mixtral
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_ranks(source, _plan(graph, 4, pp=2, ep=2, dp=1, zero_stage=0,
+                                       microbatch_size=1), steps=3, checkpoint_dir=ckpt,
+                         timeout_s=400)
+    rest, _ = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), steps=2,
+                        checkpoint_dir=ckpt, resume=True)
+    assert first + rest == pytest.approx(reference, rel=1e-4)
+
+
 def test_unsupported_combinations_are_refused(graph) -> None:
     from autopar.runtime.expert_parallel import check_expert_parallel
 
     plan = _plan(graph, 2, ep=2, dp=1, zero_stage=0, microbatch_size=1)
     check_expert_parallel(plan)  # supported
-    for edit, cause in ((dict(pp=2), "pipeline parallelism"), (dict(tp=2), "sequence")):
-        plan.mesh, plan.sequence_parallel = {**plan.mesh, "pp": 1, "tp": 1, **edit}, True
-        with pytest.raises(autopar.PlanError, match=f"{cause}.*ep=1"):
-            check_expert_parallel(plan)
+    plan.mesh = {**plan.mesh, "pp": 2}
+    check_expert_parallel(plan)  # pipelines run expert parallelism inside their stages
+    plan.mesh, plan.sequence_parallel = {**plan.mesh, "pp": 1, "tp": 2}, True
+    with pytest.raises(autopar.PlanError, match="sequence.*ep=1"):
+        check_expert_parallel(plan)
     plan.mesh, plan.zero_stage = {**plan.mesh, "pp": 1, "tp": 1}, 1
     with pytest.raises(autopar.PlanError, match="ZeRO-1 .*zero_stage 0, 2 or 3"):
         check_expert_parallel(plan)
@@ -273,3 +332,38 @@ def test_expert_modules_it_cannot_split_are_refused() -> None:
     plan = type("P", (), {"mesh": {"ep": 2}})()
     with pytest.raises(autopar.PlanError, match="no expert modules.*ep=1"):
         apply_expert_parallel(nn.Sequential(nn.Linear(4, 4)), plan, ep_mesh=None)
+
+
+def test_pipeline_stage_keeping_its_experts_whole_is_refused(graph) -> None:
+    """A pipeline lay-out that does not split a stage's experts under an ep plan (as
+    autopar.parallelize's own pipeline path does not) is refused before any stage is built,
+    rather than training a different copy of the experts on each ep rank."""
+    import types
+
+    import torch
+
+    from autopar.runtime.pipeline import build_pipeline
+    from autopar.runtime.source import build_from_source
+
+    plan = _plan(graph, 4, pp=2, ep=2, dp=1, zero_stage=0, microbatch_size=1)
+    model = build_from_source(describe_source("tiny-mixtral"), 0, "meta")
+    rank_zero = types.SimpleNamespace(get_local_rank=lambda: 0)
+    example = torch.zeros(1, 31, dtype=torch.long)
+    with pytest.raises(autopar.PlanError, match=r"holds model\.layers\.\d\.mlp\.experts whole"):
+        build_pipeline(model, plan, rank_zero, "cpu", example, None, lambda stage: None)
+
+
+def test_traced_experts_inputs_are_put_in_forward_order() -> None:
+    """The trace orders a stage's inputs its own way: the expert index is the one integer
+    tensor, the weights the float tensor shaped like it; anything ambiguous is None."""
+    import torch
+
+    from autopar.runtime.stage_experts import _forward_order
+
+    hidden, index, weights = torch.zeros(31, 64), torch.zeros(31, 2, dtype=torch.long), \
+        torch.zeros(31, 2)
+    assert _forward_order([hidden, index, weights]) == [0, 1, 2]
+    assert _forward_order([hidden, weights, index]) == [0, 2, 1]
+    assert _forward_order([weights, index, hidden]) == [2, 1, 0]
+    assert _forward_order([torch.zeros(31, 2), index, weights]) is None  # hidden size 2 = k
+    assert _forward_order([hidden, index]) is None
