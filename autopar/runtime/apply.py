@@ -10,7 +10,7 @@ or fully_shard per the plan's ZeRO stage and offload, the pipeline split and sch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -153,8 +153,10 @@ class Pipeline:
     plan: Plan
     pp_group: object
     dp_group: object | None
-    replicated: bool  # ZeRO-0/1 replicas: gradients averaged over dp after each step
+    replicated: bool  # ZeRO-0/1 replicas: gradients averaged over dp (x ep) after each step
     tied: dict  # tied weights' copies on several stages: gradients summed across them
+    replica_group: object | None = None  # dp x ep under expert parallelism
+    experts: list = field(default_factory=list)  # this rank's expert-parallel experts
 
     def parameters(self):
         return self.modules.parameters()
@@ -163,12 +165,13 @@ class Pipeline:
         """Forward and backward of one global batch share (every rank passes the same
         ``inputs`` and ``target`` of its data-parallel rows; the schedule cuts them into
         micro-batches); returns the mean loss on every rank. Step the optimizer after it."""
-        from autopar.runtime.pipeline import all_reduce_replica_grads, sync_tied_grads
+        from autopar.runtime.pipeline import average_replica_grads, sync_tied_grads
 
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs, target=target, losses=losses)
         if self.replicated:
-            all_reduce_replica_grads(list(self.modules), self.dp_group, self.plan.mesh["dp"])
+            average_replica_grads(list(self.modules), self.plan, self.dp_group,
+                                  self.replica_group, self.experts)
         if self.tied:
             sync_tied_grads(list(self.modules), self.tied, self.pp_group)
         device = next(self.modules.parameters()).device
@@ -197,8 +200,15 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
         microbatches=spec["microbatches"])
     dp_mesh = mesh["dp"]
     dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
+    experts, replica_group = [], dp_group
+    if plan.mesh["ep"] > 1:
+        from autopar.runtime.expert_parallel import ExpertParallelExperts, dense_mesh
+
+        experts = [m for s in modules for m in s.modules()
+                   if isinstance(m, ExpertParallelExperts)]
+        replica_group = dense_mesh(mesh).get_group()
     return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
-                    replicated_stages(plan, dp_mesh), tied)
+                    replicated_stages(plan, dp_mesh), tied, replica_group, experts)
 
 
 def optimizer(model: nn.Module | Pipeline, plan: Plan,

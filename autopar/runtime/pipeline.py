@@ -304,7 +304,26 @@ def replicated_stages(plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
     the zero-bubble schedule, which computes them apart from the input gradients."""
     from autopar.runtime.parallelize import data_parallel_kind
 
+    if plan.mesh["ep"] > 1:  # dense replicas span dp x ep, even with dp = 1
+        from autopar.runtime.expert_parallel import experts_use_ddp
+
+        return experts_use_ddp(plan)
     return data_parallel_kind(plan, dp_mesh) == "ddp"
+
+
+def average_replica_grads(modules: list[nn.Module], plan: Plan, dp_group, replica_group,
+                          experts: list[nn.Module]) -> None:
+    """After the schedule's step of :func:`replicated_stages`: the dense gradients averaged
+    over the replicas (dp, or dp x ep under expert parallelism), the experts' summed over dp
+    and divided alike (:func:`autopar.runtime.expert_parallel.sync_expert_grads`)."""
+    mesh = plan.mesh
+    if mesh["ep"] > 1:
+        from autopar.runtime.expert_parallel import sync_expert_grads
+
+        all_reduce_replica_grads(modules, replica_group, mesh["dp"] * mesh["ep"], skip=experts)
+        sync_expert_grads(experts, plan, dp_group)
+    else:
+        all_reduce_replica_grads(modules, dp_group, mesh["dp"])
 
 
 def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,

@@ -181,12 +181,7 @@ class Trainer:
                                               self.weights)
         for module in modules:  # the profiler sees each stage's forward as one phase
             mark_forward(module)
-        if plan.mesh["ep"] > 1:  # dense replicas span dp x ep, even with dp = 1
-            from autopar.runtime.expert_parallel import experts_use_ddp
-
-            self.replicated = experts_use_ddp(plan)
-        else:
-            self.replicated = replicated_stages(plan, dp_mesh)
+        self.replicated = replicated_stages(plan, dp_mesh)
         return nn.ModuleList(modules)
 
     def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
@@ -205,16 +200,11 @@ class Trainer:
         losses: list[torch.Tensor] = []
         with self._compute():
             self.pipe.step(mine[:, :-1], target=targets, losses=losses)
-        if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp
-            from autopar.runtime.pipeline import all_reduce_replica_grads
+        if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp (x ep)
+            from autopar.runtime.pipeline import average_replica_grads
 
-            mesh = self.plan.mesh
-            if mesh["ep"] > 1:  # dense over dp x ep; experts summed over dp, divided alike
-                all_reduce_replica_grads(list(self.model), self.replica_group,
-                                         mesh["dp"] * mesh["ep"], skip=self.experts)
-                sync_expert_grads(self.experts, self.plan, self.dp_group)
-            else:
-                all_reduce_replica_grads(list(self.model), self.dp_group, mesh["dp"])
+            average_replica_grads(list(self.model), self.plan, self.dp_group,
+                                  self.replica_group, self.experts)
         total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
             else torch.zeros((), device=self.device)
         if self.scaler is not None and losses:

@@ -156,3 +156,78 @@ def test_parallelize_experts_in_your_own_loop(zero_stage: int) -> None:
     plan.zero_stage = 1  # not in the runtime with expert parallelism: refused before any work
     with pytest.raises(autopar.PlanError, match="zero_stage=2"):
         autopar.parallelize(object(), plan)
+
+
+def _moe_pipeline_loop(rank: int, port: int, out, world: int, plan_dict: dict) -> None:
+    run_in_group(rank, port, out, world, _train_moe_pipeline, plan_dict)
+
+
+def _train_moe_pipeline(plan_dict: dict) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.models import build_model
+    from autopar.plan import Plan
+    from autopar.runtime.apply import optimizer
+
+    torch.manual_seed(0)
+    model = build_model("tiny-mixtral", device="cpu", dtype=torch.float32)
+    plan = Plan.from_dict(plan_dict)
+    replicas = plan.mesh["dp"] * plan.mesh["ep"]
+    mine = dist.get_rank() // plan.mesh["tp"] % replicas  # this rank's dp x ep rows
+    share = BATCH // replicas
+    pipe = autopar.parallelize(model, plan, example=torch.zeros(plan.microbatch_size, 16,
+                                                                dtype=torch.long),
+                               loss_fn=_loss)
+    opt = optimizer(pipe, plan, lr=1e-2)
+    losses = []
+    g = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        batch = torch.randint(0, 256, (BATCH, 17), generator=g)
+        rows = batch[mine * share:(mine + 1) * share]
+        total = pipe.step(rows[:, :-1], target=rows[:, 1:])
+        if step == 0:  # Adam hides a gradient's scale from the losses: its squared norm
+            squares = _squared_grad_norm(pipe, plan)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total, group=pipe.replica_group)
+        losses.append(float(total) / replicas)
+    return losses, squares
+
+
+def _squared_grad_norm(pipe, plan) -> float:
+    """The whole model's squared gradient norm: each expert shard once, each dense gradient
+    once (from the first ep rank; dp = 1 here)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    tp, ep = plan.mesh["tp"], plan.mesh["ep"]
+    first_ep = dist.get_rank() // tp % ep == 0
+    total = torch.zeros((), dtype=torch.float64)
+    for p in pipe.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            total += p.grad.to_local().double().pow(2).sum()
+        elif first_ep:
+            total += p.grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    return float(total)
+
+
+def test_parallelize_experts_inside_a_pipeline_in_your_own_loop() -> None:
+    """pp2 x ep2 under ZeRO-0 through autopar.parallelize: the returned pipeline averages the
+    dense gradients over the dp x ep replicas and the experts' over dp, as the Trainer does;
+    one process's losses."""
+    graph = autopar.capture("tiny-mixtral", seq=16)
+    plan = autopar.plan(graph, devices=4, global_batch=BATCH, cluster="cpu",
+                        constraints=dict(pp=2, ep=2, dp=1, tp=1, zero_stage=0,
+                                         schedule="1f1b", microbatch_size=1,
+                                         precision="fp32"))
+    assert (plan.mesh["pp"], plan.mesh["ep"], plan.zero_stage) == (2, 2, 0)
+    reference, grads = spawn_ranks(_moe_loop, 1, (1, None))[0]
+    losses, squares = spawn_ranks(_moe_pipeline_loop, 4, (4, plan.to_dict()))[0]
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert squares == pytest.approx(sum(float((g.astype("float64") ** 2).sum())
+                                        for g in grads.values()), rel=1e-4)
