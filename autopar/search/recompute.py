@@ -37,6 +37,19 @@ def _combinations(types: list[tuple[int, list[ModeCost]]], modes: int) -> int:
 
 
 @lru_cache(maxsize=1024)
+def _vectors_as_floats(n: int, modes: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_count_vectors` as floats (for the products with per-mode costs) and, per
+    vector, the bit mask of the modes it uses (its recompute peak depends only on that):
+    computed once per shape, not once per stage the search tries."""
+    opts = _count_vectors(n, modes)
+    floats = opts.astype(np.float64)
+    masks = ((opts > 0) * (1 << np.arange(modes))[None, :]).sum(axis=1)
+    floats.setflags(write=False)
+    masks.setflags(write=False)
+    return floats, masks
+
+
+@lru_cache(maxsize=1024)
 def _count_vectors(n: int, modes: int) -> np.ndarray:
     """All (c_0, ..., c_{modes-1}) >= 0 summing to n, most 'none' first."""
     if modes == 1:
@@ -65,23 +78,27 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
     mem = np.zeros(1)
     time = np.zeros(1)
     peak = np.zeros(1)
-    picks: list[np.ndarray] = []  # per type: option index of every combination
     options_per_type = []
     for count, costs in types:
         opts = _count_vectors(count, len(idx))
+        floats, masks = _vectors_as_floats(count, len(idx))
         a = np.array([costs[i].activation_bytes for i in idx])
         p = np.array([costs[i].peak_bytes for i in idx])
         r = np.array([costs[i].recompute_s for i in idx])
-        o_mem = opts @ a
-        o_time = opts @ r
-        o_peak = np.where(opts > 0, p[None, :], 0.0).max(axis=1)
+        o_mem = floats @ a
+        o_time = floats @ r
+        # the peak of each set of used modes (0 for none), read per vector by its mask
+        peak_of_mask = np.array([max((p[j] for j in range(len(idx)) if mask >> j & 1),
+                                     default=0.0) for mask in range(1 << len(idx))])
+        o_peak = peak_of_mask[masks]
         if len(mem) * len(opts) > MAX_COMBINATIONS:
             return None
-        mem = (mem[:, None] + o_mem[None, :]).ravel()
-        time = (time[:, None] + o_time[None, :]).ravel()
-        peak = np.maximum(peak[:, None], o_peak[None, :]).ravel()
-        picks = [np.repeat(pk, len(opts)) for pk in picks]
-        picks.append(np.tile(np.arange(len(opts)), len(mem) // len(opts)))
+        if not options_per_type:  # the first type: its own vectors
+            mem, time, peak = o_mem, o_time, np.maximum(o_peak, 0.0)
+        else:  # every combination, the earlier types' choice the major index
+            mem = (mem[:, None] + o_mem[None, :]).ravel()
+            time = (time[:, None] + o_time[None, :]).ravel()
+            peak = np.maximum(peak[:, None], o_peak[None, :]).ravel()
         options_per_type.append(opts)
     total = static_bytes + held * mem + peak
     feasible = np.flatnonzero(total <= capacity_bytes)
@@ -89,7 +106,8 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
         return None
     best = feasible[np.argmin(time[feasible])]  # argmin takes the first (most "none") tie
     chosen = []
+    picks = np.unravel_index(best, [len(opts) for opts in options_per_type])
     for opts, pk in zip(options_per_type, picks, strict=True):
-        vec = opts[pk[best]]
+        vec = opts[int(pk)]
         chosen.append({allowed[j]: int(vec[j]) for j in range(len(idx)) if vec[j]})
     return chosen, float(time[best])
