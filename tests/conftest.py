@@ -17,13 +17,36 @@ TINY_HF = ["tiny-llama", "tiny-mistral", "tiny-mixtral", "tiny-qwen2", "tiny-gpt
 TRAINED_STEPS = 4  # of the trained_pp2 artifact
 
 
-# The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadfile``):
+# The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadgroup``):
 # most tests are single-threaded Python (capture, search), so on 2 cores one worker leaves a
-# core idle. A file's tests share a worker, so module fixtures (trained artifacts) run once.
+# core idle. A file's tests share a worker (see SPREAD_FILES), so module fixtures run once.
 def pytest_xdist_auto_num_workers(config) -> int:
     """One worker per core (xdist's own count is physical cores), at most 4: the gloo tests
     run 2-4 processes each."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+# files whose tests share nothing expensive (no module fixture) and take minutes together:
+# their tests are spread over the workers one by one; every other file keeps its tests on one
+# worker (pyproject's ``--dist loadgroup``, one group per file), so module fixtures run once
+SPREAD_FILES = frozenset({
+    "tests/models/test_shipped_configs.py",
+    "tests/runtime/test_twins.py",
+    "tests/runtime/test_random_plans.py",
+    "tests/test_examples.py",
+    "tests/peft/test_runtime.py",
+    "tests/cli/test_run.py",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Group each test with its file's (xdist_group), except the files of SPREAD_FILES."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        if path not in SPREAD_FILES and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(path))
 
 
 def _lock_path(testrunuid: str) -> Path:

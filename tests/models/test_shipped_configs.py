@@ -25,7 +25,11 @@ def test_a_shipped_config_plans_on_8_and_64_devices(name: str) -> None:
     facts = model_facts(graph)
     for devices in (8, 64):
         try:
-            plan = autopar.plan(graph, devices=devices, global_batch=2 * devices)
+            # the search's best so far after 10 s: what is asserted here is that the shipped
+            # config plans legally and fits, not that the plan is the optimum (the search's
+            # own tests prove that)
+            plan = autopar.plan(graph, devices=devices, global_batch=2 * devices,
+                                time_limit_s=10)
         except autopar.InfeasibleError as exc:
             message = str(exc)
             assert "\n" not in message and "GB" in message, message
