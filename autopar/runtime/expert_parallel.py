@@ -159,10 +159,17 @@ def apply_expert_parallel(model: nn.Module, plan: Plan | None, ep_mesh: DeviceMe
     if not paths:
         raise PlanError("the plan splits experts over ep but the model has no expert "
                         "modules with stacked 3-D parameters; re-plan with ep=1")
+    return split_experts_at(model, paths, ep_mesh, model)
+
+
+def split_experts_at(holder: nn.Module, paths: list[str], ep_mesh: DeviceMesh,
+                     model: nn.Module) -> list[ExpertParallelExperts]:
+    """Replace the experts module at each of ``paths`` in ``holder`` (a model, or a pipeline
+    stage of ``model``) with its expert-parallel version over ``ep_mesh``; returns them."""
     swapped = []
     for path in paths:
         parent_name, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+        parent = holder.get_submodule(parent_name) if parent_name else holder
         experts = getattr(parent, child)
         module = ExpertParallelExperts(experts, ep_mesh, _num_experts(model, experts))
         setattr(parent, child, module)

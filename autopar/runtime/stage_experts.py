@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import PlanError
 from autopar.runtime.expert_parallel import (
     ExpertParallelExperts,
-    _num_experts,
     find_experts,
+    split_experts_at,
 )
 
 
@@ -86,15 +86,7 @@ def stage_expert_parallel(stage: nn.Module, original: nn.Module, ep_mesh: Device
                           ) -> list[ExpertParallelExperts]:
     """The experts of a traced stage, restored and split over ``ep_mesh`` (in place); none
     when the stage holds no experts."""
-    swapped = []
-    for path in restore_experts(stage, original):
-        parent, _, child = path.rpartition(".")
-        holder = stage.get_submodule(parent) if parent else stage
-        experts = getattr(holder, child)
-        module = ExpertParallelExperts(experts, ep_mesh, _num_experts(original, experts))
-        setattr(holder, child, module)
-        swapped.append(module)
-    return swapped
+    return split_experts_at(stage, restore_experts(stage, original), ep_mesh, original)
 
 
 def check_stage_experts(stages: list[nn.Module], original_paths: list[str]) -> None:
