@@ -200,15 +200,12 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
         microbatches=spec["microbatches"])
     dp_mesh = mesh["dp"]
     dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
-    experts, replica_group = [], dp_group
-    if plan.mesh["ep"] > 1:
-        from autopar.runtime.expert_parallel import ExpertParallelExperts, dense_mesh
+    from autopar.runtime.expert_parallel import ExpertParallelExperts, replica_group
 
-        experts = [m for s in modules for m in s.modules()
-                   if isinstance(m, ExpertParallelExperts)]
-        replica_group = dense_mesh(mesh).get_group()
+    experts = [m for s in modules for m in s.modules() if isinstance(m, ExpertParallelExperts)]
     return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
-                    replicated_stages(plan, dp_mesh), tied, replica_group, experts)
+                    replicated_stages(plan, dp_mesh), tied, replica_group(plan, mesh, dp_group),
+                    experts)
 
 
 def optimizer(model: nn.Module | Pipeline, plan: Plan,

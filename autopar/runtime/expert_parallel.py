@@ -183,6 +183,12 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "ep"]._flatten("dp_ep")
 
 
+def replica_group(plan: Plan, mesh: DeviceMesh, dp_group):
+    """The ranks whose dense gradients and losses are averaged together: dp x ep under
+    expert parallelism, else ``dp_group``."""
+    return dense_mesh(mesh).get_group() if plan.mesh["ep"] > 1 else dp_group
+
+
 def data_rank(mesh: DeviceMesh) -> int:
     """Which of the dp x ep data shards this rank reads (dp-major, as the mesh is laid out)."""
     return mesh["dp"].get_local_rank() * mesh["ep"].size() + mesh["ep"].get_local_rank()

@@ -100,4 +100,4 @@ def check_stage_experts(stages: list[nn.Module], original_paths: list[str]) -> N
             if plain in wanted and not isinstance(module, ExpertParallelExperts):
                 raise PlanError(f"the plan splits experts over ep but this pipeline stage "
                                 f"holds {path} whole (its lay-out did not apply expert "
-                                f"parallelism); run it with autopar run, or re-plan with ep=1")
+                                f"parallelism); re-plan with ep=1")

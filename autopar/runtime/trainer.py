@@ -22,6 +22,7 @@ from autopar.runtime.apply import check_module_paths, check_tp_entries
 from autopar.runtime.expert_parallel import (
     ExpertParallelExperts,
     check_expert_parallel,
+    replica_group,
     sync_expert_grads,
 )
 from autopar.runtime.hf_weights import HFCheckpoint
@@ -124,7 +125,7 @@ class Trainer:
             if mesh is not None else {}
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         if plan.mesh["ep"] > 1:
-            from autopar.runtime.expert_parallel import data_rank, dense_mesh
+            from autopar.runtime.expert_parallel import data_rank
 
             self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
@@ -140,8 +141,7 @@ class Trainer:
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
             else None
         # the ranks whose losses make up the global mean: dp, or dp x ep under expert parallelism
-        self.replica_group = dense_mesh(mesh).get_group() if plan.mesh["ep"] > 1 \
-            else self.dp_group
+        self.replica_group = replica_group(plan, mesh, self.dp_group)
         self.optimizer = program.build_optimizer(decay_groups(self.model, hyper.weight_decay),
                                                  mesh, hyper)
         self.log = log if self.rank == 0 else None
