@@ -184,6 +184,9 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
     if kind != "cpu":  # this process's accelerator, before any collective needs it
         import torch
 
+        if not torch.accelerator.is_available():
+            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
+                            f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         init_process_group(_BACKENDS[kind])
@@ -302,6 +305,9 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
     if kind != "cpu":
         import torch
 
+        if not torch.accelerator.is_available():
+            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
+                            f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         init_process_group(_BACKENDS[kind])
