@@ -16,6 +16,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from autopar.codegen.artifact_swap import (
+    fsync_dir,
+    fsync_file,
+    new_files_dir,
+    recover,
+    swap_in,
+)
 from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
 from autopar.cost.engines import MEGATRON_ENGINES
@@ -48,7 +55,10 @@ def edited_file(name: str) -> str:
 
 def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir: str | Path,
                      emit: tuple[str, ...] = ()) -> Path:
-    """Write ``out_dir`` (atomically: a failure leaves nothing behind) and return it.
+    """Write ``out_dir`` and return it. A new directory appears whole or not at all; in an
+    existing artifact only the generated files are swapped (see
+    :mod:`autopar.codegen.artifact_swap`): ``checkpoints/``, ``logs/`` and anything else
+    there stay where they are, and an interrupted compile leaves the previous artifact.
 
     ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
     whose recipe can be recorded (a Hugging Face model, or one with a dataclass ``.cfg``).
@@ -63,56 +73,103 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
         raise PlanError(f"cannot compile a program that runs {cp_reason}")
     source = describe_source(model)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
-        raise PlanError(f"{out} exists and is not an autopar artifact; choose an empty or new "
-                        f"--out directory")
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"{out} is a file; choose a new directory for --out")
+    if out.is_dir() and any(out.iterdir()):
+        recover(out, drop_unfinished=True)  # a compile killed mid-swap: its previous artifact
+    if out.is_dir() and not is_artifact(out) and _holds_cwd(out):
+        raise PlanError(f"--out {out_dir} is the current directory or one of its parents; "
+                        f"choose a new directory for the artifact, such as --out art")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_artifact(out):
+            raise PlanError(f"{out} exists and is not an autopar artifact; choose an empty or "
+                            f"new --out directory")
+        new = new_files_dir(out)
+        try:
+            _write_files(new, plan, source, emit)
+            old = _recorded_program(out)
+            if (out / old).is_file() and program_state(out) == "edited":
+                # a hand-edited program is the user's: it stays beside the new one
+                shutil.copy(out / old, new / _free_name(out, edited_file(old)))
+            swap_in(new, out)
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        return out
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}."))
     try:
-        plan.save(tmp / "plan.yaml")
-        manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
-                    "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
-                    "model": source, "versions": library_versions()}
-        if plan.engine == "autopar":
-            name, program = program_for(plan, source)
-            (tmp / name).write_text(program)
-            manifest["program"] = {"file": name, "sha256": digest(program),
-                                   "plan_sha256": digest((tmp / "plan.yaml").read_bytes())}
-        else:  # a plan for another engine runs there: its launch file instead of a program
-            emit = (*emit, "megatron" if plan.engine in MEGATRON_ENGINES else plan.engine)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
-            import yaml
-
-            from autopar.plan.mindformers import mindformers_yaml
-
-            (tmp / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
-                                                                 sort_keys=False))
-        if "megatron" in emit:  # a Megatron-LM launch command, on request
-            from autopar.plan.megatron import megatron_command
-
-            (tmp / "megatron.sh").write_text(megatron_command(plan))
-        if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
-            from autopar.plan.deepspeed import deepspeed_config
-
-            (tmp / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
-                                                + "\n")
-        if out.exists():
-            old = _recorded_program(out)
-            if (out / old).is_file() and program_state(out) == "edited":
-                # a hand-edited program is not thrown away: it stays beside the new one
-                shutil.copy(out / old, tmp / edited_file(old))
-            keep = out / "logs", out / "checkpoints"
-            for item in keep:
-                if item.exists():
-                    shutil.move(str(item), tmp / item.name)
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _write_files(tmp, plan, source, emit)
+        for path in tmp.iterdir():
+            fsync_file(path)
+        os.replace(tmp, out)  # out is absent or an empty directory: one rename
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_files(dest: Path, plan: Plan, source: dict, emit: tuple[str, ...]) -> None:
+    """The generated files of ``plan``'s artifact, written into ``dest``."""
+    plan.save(dest / "plan.yaml")
+    manifest = {"manifest_version": MANIFEST_VERSION, "plan_version": PLAN_VERSION,
+                "devices": plan.devices, "task": plan.task, "cluster": plan.cluster,
+                "model": source, "versions": library_versions()}
+    if plan.engine == "autopar":
+        name, program = program_for(plan, source)
+        (dest / name).write_text(program)
+        manifest["program"] = {"file": name, "sha256": digest(program),
+                               "plan_sha256": digest((dest / "plan.yaml").read_bytes())}
+    else:  # a plan for another engine runs there: its launch file instead of a program
+        emit = (*emit, "megatron" if plan.engine in MEGATRON_ENGINES else plan.engine)
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
+        import yaml
+
+        from autopar.plan.mindformers import mindformers_yaml
+
+        (dest / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
+                                                              sort_keys=False))
+    if "megatron" in emit:  # a Megatron-LM launch command, on request
+        from autopar.plan.megatron import megatron_command
+
+        (dest / "megatron.sh").write_text(megatron_command(plan))
+    if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
+        from autopar.plan.deepspeed import deepspeed_config
+
+        (dest / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
+                                             + "\n")
+
+
+def is_artifact(directory: Path) -> bool:
+    """Whether ``directory`` is an autopar artifact: its manifest.json is a JSON object with
+    an integer manifest version (any version: an older artifact is still ours to replace)."""
+    try:
+        manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and type(manifest.get("manifest_version")) is int
+
+
+def _holds_cwd(out: Path) -> bool:
+    """Whether ``out`` is the current directory or one of its parents (writing an artifact
+    there would mix it with whatever the user is working on)."""
+    try:
+        here, target = Path.cwd().resolve(), out.resolve()
+    except OSError:
+        return False
+    return target == here or target in here.parents
+
+
+def _free_name(directory: Path, name: str) -> str:
+    """``name``, or ``stem.N.py`` when ``directory`` already holds it (an earlier edit kept
+    by an earlier re-compile is not overwritten)."""
+    stem, n = name.removesuffix(".py"), 2
+    while (directory / name).exists():
+        name, n = f"{stem}.{n}.py", n + 1
+    return name
 
 
 def _recorded_program(directory: Path) -> str:
@@ -170,6 +227,7 @@ def check_versions(manifest: dict, where: str) -> None:
 def load_artifact(directory: str | Path) -> tuple[dict, Plan]:
     """(manifest, plan) of an artifact directory, checked for version and consistency."""
     d = Path(directory)
+    recover(d)  # a compile killed mid-swap: the previous artifact is put back
     manifest_path = d / "manifest.json"
     if not manifest_path.is_file():
         raise PlanError(f"{d} is not an autopar artifact (no manifest.json); create one with "
