@@ -11,6 +11,7 @@ import yaml
 
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
+from autopar.plan.schema import check_plan_file
 from autopar.plan.tp_entries import validate_tp_entries
 
 PLAN_VERSION = 3
@@ -165,6 +166,7 @@ class Plan:
         data = dict(data)
         if isinstance(data.get("mesh"), dict) and "cp" not in data["mesh"]:
             data["mesh"] = {**data["mesh"], "cp": 1}  # plans from before context parallelism
+        check_plan_file(data, where)  # every field's type and range, before anything reads it
         try:
             predicted = Predicted(**data.pop("predicted"))
             plan = cls(predicted=predicted, **data)

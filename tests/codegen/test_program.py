@@ -97,3 +97,27 @@ def test_an_edited_plan_regenerates_the_program(tmp_path) -> None:
     assert after != before and '"model.layers.0": "full"' in after
     ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu")
     assert ran.returncode == 0 and "regenerated" not in ran.stderr  # now up to date
+
+
+def test_no_value_from_a_plan_or_config_becomes_code() -> None:
+    """Names that reach the program's docstring and comments (the cluster, the model's
+    architecture from config.json) cannot close them: whatever they hold stays text."""
+    import ast
+    import dataclasses
+
+    from autopar.codegen import generate_program_text
+
+    graph = autopar.capture("tiny-llama", seq=32)
+    hostile = 'x"""\nopen("canary", "w")\n"""\n# \nopen("canary", "w")'
+    source = describe_source("tiny-llama")
+    source["config"] = dict(source["config"], architectures=[hostile])
+    for task in ("train", "infer"):
+        plan = autopar.plan(graph, devices=2, global_batch=4, task=task,
+                            constraints={"tp": 2, "dp": 1})
+        plan = dataclasses.replace(plan, cluster=hostile)  # in memory: no file check ran
+        text = (program_text(plan, source) if task == "train"
+                else generate_program_text(plan, source))
+        calls = [node.func.id for node in ast.walk(ast.parse(text))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+        assert "open" not in calls, task
+        assert "canary" not in text.replace("?canary?", ""), task

@@ -60,7 +60,7 @@ def test_inconsistent_edits_are_refused(plan, tmp_path) -> None:
         Plan.load(_edited(plan, tmp_path, recompute=["none"]))
     with pytest.raises(autopar.PlanError, match="global_batch"):
         Plan.load(_edited(plan, tmp_path, global_batch=plan.global_batch + 1))
-    with pytest.raises(autopar.PlanError, match="unknown recompute"):
+    with pytest.raises(autopar.PlanError, match=r"recompute\.0: input should be 'none'"):
         Plan.load(_edited(plan, tmp_path, recompute=["sometimes"] * len(plan.recompute)))
     with pytest.raises(autopar.PlanError, match="missing or unknown field"):
         Plan.load(_edited(plan, tmp_path, surprise=1))
@@ -107,3 +107,33 @@ def test_the_plan_records_what_the_report_needs(plan) -> None:
     assert sorted(int(t) for t in types) == sorted({b["type"] for b in plan.model["blocks"]})
     for a in plan.alternatives:
         assert sum(a["breakdown"].values()) == pytest.approx(a["step_time_s"], rel=1e-4)
+
+
+def test_field_types_and_ranges_are_checked_on_load(plan, tmp_path) -> None:
+    """Every field is checked strictly (a string is not a number, a bool not an int) and
+    choices and names are what they must be, each in one line naming the field."""
+    cases = {
+        "mesh.pp: input should be a valid integer, got 'one'": dict(mesh=dict(plan.mesh, pp="one")),
+        "mesh.tp: input should be a valid integer, got '1'": dict(mesh=dict(plan.mesh, tp="1")),
+        "devices: input should be a valid integer, got True": dict(devices=True),
+        "global_batch: input should be greater than or equal to 1": dict(global_batch=0),
+        "schedule: input should be 'gpipe'": dict(schedule="fastest"),
+        "cluster: must be a cluster name": dict(cluster='a100"""\nopen("canary", "w")\n"""'),
+        "offload.0: input should be 'optimizer'": dict(offload=["disk"]),
+        "placements.params.lm_head.weight: must be a placement": dict(
+            placements=dict(plan.placements, params=dict(
+                plan.placements["params"], **{"lm_head.weight": "Shard(0)@tp)\nimport os"}))),
+        "model.inputs.input_ids.1: input should be a valid integer": dict(
+            model=dict(plan.model, inputs={"input_ids": [1, "64)\nimport os"]})),
+        "predicted is missing": dict(predicted=None),
+    }
+    for expected, change in cases.items():
+        data = plan.to_dict()
+        data.update(change)
+        if data["predicted"] is None:
+            del data["predicted"]
+        path = tmp_path / "edited.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(autopar.PlanError) as err:
+            Plan.load(path)
+        assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
