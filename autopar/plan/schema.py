@@ -23,8 +23,9 @@ from autopar.errors import PlanError
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
 NonNegative = Annotated[float, Field(ge=0)]
-# module paths, parameter names, input names: Python identifiers joined by dots
-Path = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.]{1,300}$")]
+# module paths, parameter and input names: identifiers joined by dots (an ONNX file's
+# initialisers also have ":", "/" and "-": "onnx::MatMul_12")
+Path = Annotated[str, StringConstraints(pattern=r"^[\w.:/\-]{1,300}$")]
 # a cluster's name (a catalog name or a profile's): printable, no quotes or line breaks
 ClusterName = Annotated[str, StringConstraints(pattern=r"^[\w.+\-@:/ ]{1,200}$")]
 Word = Annotated[str, StringConstraints(pattern=r"^[\w.+\-]{0,100}$")]
@@ -32,7 +33,7 @@ Word = Annotated[str, StringConstraints(pattern=r"^[\w.+\-]{0,100}$")]
 Placement = Annotated[str, StringConstraints(
     pattern=r"^(Replicate(@tp\(kv-heads\))?|Shard\(\d\)@(tp|dp|ep|cp))(\+Shard\(\d\)@(dp|ep|cp))*$")]
 _SAYS = {  # what each pattern means, for the error line
-    Path.__metadata__[0].pattern: "a module path (letters, digits, _ and .)",
+    Path.__metadata__[0].pattern: "a module path (letters, digits and _.:/-)",
     ClusterName.__metadata__[0].pattern: "a cluster name (letters, digits, spaces and _.+-@:/)",
     Word.__metadata__[0].pattern: "a plain word (letters, digits and _.+-)",
     Placement.__metadata__[0].pattern: "a placement such as Replicate, Shard(0)@tp or "
