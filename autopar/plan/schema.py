@@ -25,10 +25,10 @@ Count = Annotated[int, Field(ge=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 # module paths, parameter and input names: identifiers joined by dots (an ONNX file's
 # initialisers also have ":", "/" and "-": "onnx::MatMul_12")
-Path = Annotated[str, StringConstraints(pattern=r"^[\w.:/\-]{1,300}$")]
+Path = Annotated[str, StringConstraints(pattern=r"^[\w.:/\-]+$", max_length=300)]
 # a cluster's name (a catalog name or a profile's): printable, no quotes or line breaks
-ClusterName = Annotated[str, StringConstraints(pattern=r"^[\w.+\-@:/ ]{1,200}$")]
-Word = Annotated[str, StringConstraints(pattern=r"^[\w.+\-]{0,100}$")]
+ClusterName = Annotated[str, StringConstraints(pattern=r"^[\w.+\-@:/ ]+$", max_length=200)]
+Word = Annotated[str, StringConstraints(pattern=r"^[\w.+\-]*$", max_length=100)]
 # "Replicate", "Shard(0)@tp", "Replicate@tp(kv-heads)", "Shard(0)@tp+Shard(0)@dp", ...
 Placement = Annotated[str, StringConstraints(
     pattern=r"^(Replicate(@tp\(kv-heads\))?|Shard\(\d\)@(tp|dp|ep|cp))(\+Shard\(\d\)@(dp|ep|cp))*$")]
