@@ -34,7 +34,13 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
                 raise PlanError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object a "
                                 f"line") from None
             if isinstance(record, dict) and isinstance(record.get("ids"), list):
-                prompts.append([int(i) for i in record["ids"]])
+                ids = record["ids"]
+                bad = next((i for i in ids if type(i) is not int or i < 0), None)
+                if bad is not None or not ids:
+                    raise PlanError(f"{path}:{number}: \"ids\" must be a non-empty list of "
+                                    f"token ids (integers >= 0), found "
+                                    f"{repr(bad) if ids else 'none'}")
+                prompts.append(ids)
                 continue
             text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
             if not isinstance(text, str):

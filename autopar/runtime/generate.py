@@ -164,6 +164,11 @@ class Generator:
             pad_token_id = eos_token_id if eos_token_id is not None else 0
         if not isinstance(input_ids, torch.Tensor):
             input_ids, attention_mask = left_pad(input_ids, pad_token_id)
+        vocab = getattr(self.config, "vocab_size", None)
+        if isinstance(vocab, int) and input_ids.numel() and (
+                int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise PlanError(f"prompt token ids must lie in [0, {vocab}) for this model's "
+                            f"vocabulary; found {int(input_ids.min())}..{int(input_ids.max())}")
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else \
             attention_mask.to(self.device, torch.long)

@@ -197,6 +197,16 @@ def _probe(model: nn.Module, batch: int, max_len: int) -> list[tuple[torch.Size,
     return [(t.shape, t.dtype) for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+def _need_onnx_extra(package: str) -> None:
+    """A one-line PlanError naming the extra to install when ``package`` is missing (the ONNX
+    pieces are optional: a plain install plans and trains without them)."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise PlanError(f"ONNX export and generation need {package}, which is not installed; "
+                        f"pip install 'autopar[onnx]'")
+
+
 def export_onnx(model: nn.Module | str | Path, out: str | Path, *, batch: int = 1,
                 max_len: int = 128, prompt_len: int = 32, optimize: bool = True
                 ) -> OnnxExportReport:
@@ -220,6 +230,7 @@ def export_onnx(model: nn.Module | str | Path, out: str | Path, *, batch: int = 
                         f"max_len={max_len}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PlanError(f"{out} already exists; pass a new folder (nothing is overwritten)")
+    _need_onnx_extra("onnxscript")  # torch's ONNX exporter runs on it
     if isinstance(model, (str, Path)) and (Path(model) / "manifest.json").is_file():
         _refuse_plan(Path(model))
     start = time.perf_counter()
@@ -309,6 +320,7 @@ class OnnxGenerator:
 
     def __init__(self, folder: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",)
                  ) -> None:
+        _need_onnx_extra("onnxruntime")
         import onnxruntime as ort
 
         folder = Path(folder)
