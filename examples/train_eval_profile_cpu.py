@@ -8,7 +8,6 @@ OUT_DIR --run)
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +24,13 @@ autopar.compile("tiny-llama", None, plan, out)
 print(f"compiled {out}: mesh {plan.mesh}, {plan.num_microbatches} micro-batches, predicted "
       f"step {plan.predicted.step_time_s * 1e3:.2f} ms")
 
-shutil.rmtree(out / "logs", ignore_errors=True)  # a run appends to its logs: start afresh
 
 # 8 steps: 2 of warm-up to 3e-3, then cosine decay towards 3e-4; held-out loss every 4 steps;
 # the profiler records the last 3 steps (after a warm-up step of its own)
 steps = 8
 subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "-m", "autopar", "run", str(out),
-                "--steps", str(steps), "--device", "cpu",
+                "--steps", str(steps), "--device", "cpu", "--overwrite",  # a fresh run each time
                 "--lr", "3e-3", "--warmup-steps", "2", "--lr-schedule", "cosine",
                 "--min-lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
                 "--eval", "synthetic", "--eval-every", "4", "--profile"],

@@ -23,6 +23,7 @@ print(open(f"{out}/train.py").read())  # the program autopar generated from the 
 
 # run the program itself (`autopar run OUT_DIR` runs the same file)
 subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "4", f"{out}/train.py", "--steps", "10", "--device", "cpu"],
+                "--nproc-per-node", "4", f"{out}/train.py", "--steps", "10", "--device", "cpu",
+                "--overwrite"],  # a fresh run each time the example runs
                check=True)
 print(open(f"{out}/logs/train.jsonl").read().splitlines()[-1])

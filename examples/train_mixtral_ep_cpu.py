@@ -16,7 +16,7 @@ def train(plan, out: str, procs: int) -> list[float]:
     autopar.compile("tiny-mixtral", None, plan, out)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", str(procs), "-m", "autopar", "run", out, "--steps", "4",
-                    "--device", "cpu"], check=True)
+                    "--device", "cpu", "--overwrite"], check=True)  # a fresh run each time
     with open(f"{out}/logs/train.jsonl") as f:
         return [json.loads(line)["loss"] for line in f]
 

@@ -4,13 +4,14 @@ serves a generation artifact (compiled with ``--task infer``) from its generate.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
 from autopar.cli.common import init_process_group
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
 from autopar.runtime.profiling import StepProfiler
-from autopar.runtime.run_log import RunLog
+from autopar.runtime.run_log import RunLog, archive_logs
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -86,6 +87,14 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
               help="Device type [default: the plan cluster's].")
 @click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
               help="Save DIR/checkpoints every N steps (and always at the end).")
+@click.option("--keep-last", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Keep only the newest N checkpoints in DIR/checkpoints (0: keep all).")
+@click.option("--no-final-save", "final_save", is_flag=True, default=True, flag_value=False,
+              help="Do not save a checkpoint after the last step (--checkpoint-every still "
+                   "saves).")
+@click.option("--overwrite", is_flag=True,
+              help="Start a new run in a DIR whose checkpoints came from an earlier one (they "
+                   "are replaced as this run saves); without it such a run is refused.")
 @click.option("--resume", is_flag=True,
               help="Continue from the latest checkpoint in DIR/checkpoints (any plan's).")
 @click.option("--init-from", type=click.Path(exists=True), default=None,
@@ -180,6 +189,11 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with torchrun --nproc-per-node {plan.devices}")
+    _refuse_unasked_overwrite(directory, resume, bool(training["overwrite"]))
+    if not resume and int(os.environ.get("RANK", "0")) == 0:
+        # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
+        # start writing: the others wait for rank 0 in the process group's start)
+        archive_logs(Path(directory) / "logs")
     kind = _device_type(plan.cluster, device)
     if kind != "cpu":  # this process's accelerator, before any collective needs it
         import torch
@@ -216,7 +230,7 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     logs = Path(directory) / "logs"
     rank = int(os.environ.get("RANK", "0"))
     run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
-                     every=int(training["log_every"])) if rank == 0 else None
+                     every=int(training["log_every"]), resume=resume) if rank == 0 else None
     trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
                       hyper=hyper, log=run_log, data=data,
                       init_from=None if resume else init_from)
@@ -229,7 +243,9 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     try:
         losses = trainer.train(steps, checkpoint_dir=ckpt,
                                checkpoint_every=checkpoint_every, evaluate=evaluate,
-                               eval_every=int(training["eval_every"]), profiler=profiler)
+                               eval_every=int(training["eval_every"]), profiler=profiler,
+                               keep_last=int(training["keep_last"]),
+                               final_save=bool(training["final_save"]))
     except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
         if world == 1:
             raise
@@ -254,6 +270,20 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
                        f"autopar report {directory} --run")
         click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
                    f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
+
+
+def _refuse_unasked_overwrite(directory: str, resume: bool, overwrite: bool) -> None:
+    """A new run (no --resume) in a directory whose checkpoints an earlier run wrote would
+    replace them step by step and move ``latest``: refused unless asked for."""
+    from autopar.errors import PlanError
+    from autopar.runtime.checkpoint import latest_checkpoint
+
+    ckpt = Path(directory) / "checkpoints"
+    last = latest_checkpoint(ckpt)
+    if last is not None and not resume and not overwrite:
+        raise PlanError(f"{ckpt} holds {last.name} from an earlier run; pass --resume to "
+                        f"continue it, or --overwrite to start a new run (it replaces those "
+                        f"checkpoints as it saves)")
 
 
 def _evaluator(held, trainer):

@@ -16,17 +16,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from autopar.codegen.artifact_swap import (
-    fsync_dir,
-    fsync_file,
-    new_files_dir,
-    recover,
-    swap_in,
-)
+from autopar.codegen.artifact_swap import new_files_dir, recover, swap_in
 from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
 from autopar.cost.engines import MEGATRON_ENGINES
 from autopar.errors import PlanError
+from autopar.files import fsync_dir, fsync_file
 from autopar.plan import PLAN_VERSION, Plan
 from autopar.plan.support import context_parallel_refusal
 from autopar.runtime.source import describe_source

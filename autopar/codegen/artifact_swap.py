@@ -23,27 +23,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from autopar.files import fsync_dir, fsync_file
+
 # every file compile writes (the program is train.py or generate.py, the others on request)
 GENERATED = ("plan.yaml", "train.py", "generate.py", "mindformers.yaml", "megatron.sh",
              "deepspeed.json", "manifest.json")
 PREVIOUS = ".autopar-previous"  # the old generated files while a swap is under way
 NEW_PREFIX = ".autopar-new-"  # where the new files are written inside an existing artifact
 _MOVED = ".moved"  # in PREVIOUS: every old generated file is in it (the new ones may follow)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s data to disk (a rename is only as durable as what it renames)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush ``path``'s entries (renames into or out of it) to disk."""
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
-        fsync_file(path)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from autopar.errors import PlanError
@@ -21,16 +22,23 @@ TERMS = ("compute", "tp/ep comm (exposed)", "dp comm (exposed)", "bubble", "opti
 
 
 def _jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines log. A last line cut short (a run killed mid-write) is
+    skipped, and said on stderr; a damaged line before it is refused in one line."""
     if not path.is_file():
         return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1)
+             if line.strip()]
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise PlanError(f"{path}:{number} is not a JSON line; the log is damaged: "
-                                f"delete it and train again") from None
+    for i, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and rows:
+                print(f"autopar: {path}:{number}: skipped a line cut short (the run ended "
+                      f"mid-write)", file=sys.stderr)
+                break
+            raise PlanError(f"{path}:{number} is not a JSON line; the log is damaged: "
+                            f"delete it and train again") from None
     return rows
 
 

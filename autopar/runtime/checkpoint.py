@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autopar.errors import PlanError
+from autopar.files import fsync_dir, fsync_file
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -189,8 +190,10 @@ def _fused_key(key: str, fused: dict) -> str | None:
     return None
 
 
-def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
-    """Save model, optimizer, LR schedule and step; every rank calls it."""
+def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0) -> Path:
+    """Save model, optimizer, LR schedule and step; every rank calls it. The checkpoint is on
+    disk (fsynced) before ``latest`` names it; then, with ``keep_last`` > 0, only the newest
+    ``keep_last`` complete checkpoints are kept."""
     root = Path(directory)
     name = f"step_{trainer.step_index:06d}"
     partial = root / f"{name}.partial"
@@ -219,14 +222,36 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
         if getattr(trainer, "scaler", None) is not None:  # fp16's loss scale goes on
             meta["loss_scale"] = trainer.scaler.state_dict()
         (partial / "meta.json").write_text(json.dumps(meta))
+        for path in partial.rglob("*"):  # DCP syncs its own files; meta.json and the dirs
+            if path.is_file():
+                fsync_file(path)
+        fsync_dir(partial)
         final = root / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        fsync_dir(root)
         tmp = root / "latest.tmp"
         tmp.write_text(name)
+        fsync_file(tmp)
         os.replace(tmp, root / "latest")
+        fsync_dir(root)
+        if keep_last > 0:
+            prune_checkpoints(root, keep_last)
     _barrier()
     return root / name
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest ``keep_last`` complete checkpoints in ``root`` (never the one
+    ``latest`` names, never anything that is not a ``step_NNNNNN`` directory); returns what
+    was removed."""
+    latest = latest_checkpoint(root)
+    complete = sorted(p for p in root.glob("step_*")
+                      if p.is_dir() and p.name[5:].isdigit() and (p / "meta.json").is_file())
+    removed = [p for p in complete[:-keep_last] if p != latest]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 from autopar.report import fmt
@@ -44,8 +46,11 @@ class RunLog:
     or None)."""
 
     def __init__(self, directory: str | Path | None, *, console: bool = False,
-                 tensorboard: bool = False, every: int = 1) -> None:
+                 tensorboard: bool = False, every: int = 1, resume: bool = False) -> None:
         self.directory = Path(directory) if directory is not None else None
+        # one log per run: records carry the run's id; a resumed run goes on with its log's
+        self.run_id = (_last_run_id(self.directory) if resume and self.directory else None) \
+            or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.every = max(1, every)
         self._console = None
         self._bar = None
@@ -132,4 +137,39 @@ class RunLog:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         with (self.directory / name).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "run": self.run_id}) + "\n")
+
+
+_RUN_FILES = ("train.jsonl", "eval.jsonl", "tensorboard", "profile")
+
+
+def _last_run_id(directory: Path) -> str | None:
+    """The run id of the last whole record in ``directory``/train.jsonl, or None."""
+    try:
+        lines = (directory / "train.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            run = json.loads(line).get("run")
+        except (ValueError, AttributeError):
+            continue
+        return str(run) if run else None
+    return None
+
+
+def archive_logs(directory: Path) -> Path | None:
+    """Move an earlier run's logs out of the way of a new run: ``directory``/runs/<its run
+    id>/ (nothing is deleted); returns where they went, or None when there were none."""
+    present = [directory / name for name in _RUN_FILES if (directory / name).exists()]
+    if not present:
+        return None
+    run = _last_run_id(directory) or "earlier"
+    target = directory / "runs" / run
+    n = 2
+    while target.exists():
+        target, n = directory / "runs" / f"{run}.{n}", n + 1
+    target.mkdir(parents=True)
+    for path in present:
+        os.replace(path, target / path.name)
+    return target

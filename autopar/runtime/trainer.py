@@ -354,9 +354,10 @@ class Trainer:
 
     def train(self, steps: int, checkpoint_dir: str | Path | None = None,
               checkpoint_every: int = 0, evaluate=None, eval_every: int = 0,
-              profiler=None) -> list[float]:
+              profiler=None, keep_last: int = 0, final_save: bool = True) -> list[float]:
         """Run ``steps`` steps; save a checkpoint every ``checkpoint_every`` steps and at the
-        end when ``checkpoint_dir`` is given; call ``evaluate(trainer)`` every ``eval_every``
+        end (unless ``final_save`` is False) when ``checkpoint_dir`` is given, keeping the
+        newest ``keep_last`` (0: all); call ``evaluate(trainer)`` every ``eval_every``
         steps and at the end when given; ``profiler`` (an
         :class:`autopar.runtime.profiling.StepProfiler`) records its window of steps. Each
         step's record goes to the run log."""
@@ -379,9 +380,9 @@ class Trainer:
                 if self.log is not None:
                     self.log.step(self.last_record, i + 1)
                 last = i == steps - 1
-                if checkpoint_dir and (last or (checkpoint_every and
-                                                self.step_index % checkpoint_every == 0)):
-                    save_checkpoint(self, checkpoint_dir)
+                if checkpoint_dir and ((last and final_save) or (
+                        checkpoint_every and self.step_index % checkpoint_every == 0)):
+                    save_checkpoint(self, checkpoint_dir, keep_last)
                 if evaluate is not None and (last or (eval_every and
                                                       self.step_index % eval_every == 0)):
                     evaluate(self)

@@ -134,7 +134,17 @@ def test_report_run_refuses_a_plan_file_and_an_artifact_never_run(plans, tmp_pat
     damaged = tmp_path / "damaged"
     shutil.copytree(a, damaged)
     (damaged / "logs").mkdir()
-    (damaged / "logs" / "train.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "lo\n')
+    (damaged / "logs" / "train.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "lo\n'
+                                                  '{"step": 2, "loss": 5.0}\n')
     _assert_one_line_error(cli_here("report", str(damaged), "--run", "--out", str(out)),
                            "train.jsonl:2 is not a JSON line")
     assert not out.exists()
+
+
+def test_a_log_cut_short_by_a_crash_is_read_up_to_its_last_whole_line(tmp_path, capsys) -> None:
+    from autopar.report.run import _jsonl
+
+    log = tmp_path / "train.jsonl"
+    log.write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.4}\n{"step": 2, "lo')
+    assert [r["step"] for r in _jsonl(log)] == [0, 1]
+    assert "train.jsonl:3: skipped a line cut short" in capsys.readouterr().err

@@ -97,7 +97,7 @@ def test_one_device_plans_run_under_torchrun_and_as_one_process(tmp_path, constr
     losses = []
     for launcher in (_torchrun, lambda n, *a: run_cli(*a)):
         (art / "logs").exists() and shutil.rmtree(art / "logs")
-        result = launcher(1, "run", str(art), "--steps", "2", "--device", "cpu")
+        result = launcher(1, "run", str(art), "--steps", "2", "--device", "cpu", "--overwrite")
         assert result.returncode == 0, result.stderr[-2000:]
         log = (art / "logs" / "train.jsonl").read_text().splitlines()
         losses.append([json.loads(line)["loss"] for line in log])
