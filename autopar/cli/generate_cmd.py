@@ -70,9 +70,16 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
 @click.option("--tokenizer", default=None,
               help="Hugging Face tokenizer folder for text prompts and output (default: "
                    "MODEL's own, when it is a folder with one).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu",
+              show_default=True, help="Where the model runs (under torchrun: each process "
+                                      "its LOCAL_RANK's device; cpu uses gloo, cuda NCCL).")
+@click.option("--timeout", "timeout_s", default=600, show_default=True,
+              type=click.IntRange(min=1),
+              help="Under torchrun: seconds a collective may wait for its peers.")
 def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
                  temperature: float, top_k: int | None, top_p: float | None,
-                 eos_token_id: int | None, seed: int, tokenizer: str | None) -> None:
+                 eos_token_id: int | None, seed: int, tokenizer: str | None, device: str,
+                 timeout_s: int) -> None:
     """Generate from MODEL (a shipped name, a Hugging Face folder, or an artifact DIR with
     its latest checkpoint) with a KV cache. One JSON line per prompt on stdout (its new token
     ids, and text with a tokenizer); tokens/s on stderr. Under torchrun, an artifact's plan
@@ -108,9 +115,19 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
         if plan.devices != world:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                             f"running; launch with torchrun --nproc-per-node {plan.devices}")
-        init_process_group("gloo")
+    where = device
+    if device != "cpu":
+        import torch
+
+        if not torch.accelerator.is_available():
+            raise PlanError(f"--device {device}: this machine has no accelerator; use --device "
+                            f"cpu")
+        where = f"{device}:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        init_process_group({"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device], timeout_s)
     try:
-        generator = Generator(model, plan)
+        generator = Generator(model, plan, device=where)
         start = time.perf_counter()
         out = generator.generate(ids, max_new_tokens=max_new_tokens, do_sample=sample,
                                  temperature=temperature, top_k=top_k, top_p=top_p,

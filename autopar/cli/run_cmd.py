@@ -95,6 +95,10 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
 @click.option("--overwrite", is_flag=True,
               help="Start a new run in a DIR whose checkpoints came from an earlier one (they "
                    "are replaced as this run saves); without it such a run is refused.")
+@click.option("--timeout", "timeout_s", default=600, show_default=True,
+              type=click.IntRange(min=1),
+              help="Seconds a collective may wait for its peers before the job fails (first "
+                   "steps may compile kernels or load large checkpoints).")
 @click.option("--resume", is_flag=True,
               help="Continue from the latest checkpoint in DIR/checkpoints (any plan's).")
 @click.option("--init-from", type=click.Path(exists=True), default=None,
@@ -164,7 +168,8 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
         options = dict(max_new_tokens=max_new_tokens, do_sample=sample,
                        temperature=temperature, top_k=top_k, top_p=top_p,
                        eos_token_id=eos_token_id, seed=seed)
-        _serve(directory, manifest, plan, device, prompts, tokenizer, options)
+        _serve(directory, manifest, plan, device, prompts, tokenizer, options,
+               int(training["timeout_s"]))
         return
     if prompts is not None:
         raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
@@ -203,7 +208,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
                             f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        init_process_group(_BACKENDS[kind])
+        init_process_group(_BACKENDS[kind], int(training["timeout_s"]))
     finished = False
     try:
         _train(directory, manifest, plan, program, kind, world, steps, data, seed, hyper,
@@ -249,17 +254,7 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
         if world == 1:
             raise
-        from autopar.runtime.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(ckpt)
-        reason = " ".join(str(exc).split())[:200]
-        lost = isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
-            word in reason.lower() for word in ("connection", "peer", "timed out", "gloo"))
-        what = ("lost its peers" if lost else "failed") + f" at step {trainer.step_index}"
-        cause = "a process died or the network failed" if lost else "an error on this rank"
-        raise RunFailure(
-            f"rank {trainer.rank} {what} ({cause}: {reason}); last complete checkpoint: "
-            f"{last or 'none'}; relaunch with --resume") from None
+        raise RunFailure(failure_line(exc, trainer, plan, logs, ckpt)) from None
     if trainer.rank == 0:
         summary = getattr(trainer, "profile_summary", None)
         if summary is not None:
@@ -270,6 +265,57 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
                        f"autopar report {directory} --run")
         click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
                    f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
+
+
+def failure_line(exc: BaseException, trainer, plan, logs: Path, ckpt: Path) -> str:
+    """The one line a failed rank ends with: what happened at which step, the start of the
+    error, where its whole text is (DIR/logs/error-rank<N>.txt, and torchrun's error file so
+    that its summary names the root cause), and advice that fits: an out-of-memory error is
+    not fixed by resuming."""
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from autopar.report import fmt
+    from autopar.runtime.checkpoint import latest_checkpoint
+
+    rank = trainer.rank
+    full_text = "".join(traceback.format_exception(exc))
+    where = logs / f"error-rank{rank}.txt"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        where.write_text(full_text)
+    except OSError:
+        where = None
+    ErrorHandler().record_exception(exc)  # TORCHELASTIC_ERROR_FILE, when torchrun set one
+    reason = " ".join(str(exc).split())
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    oom = isinstance(exc, torch_oom()) or "out of memory" in reason.lower()
+    lost = not oom and (isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
+        word in reason.lower() for word in ("connection", "peer", "timed out", "gloo")))
+    what = ("ran out of memory" if oom else "lost its peers" if lost else "failed") + \
+        f" at step {trainer.step_index}"
+    cause = "" if oom else ("a process died or the network failed: " if lost
+                            else "an error on this rank: ")
+    whole = f"; whole error in {where}" if where is not None else ""
+    if oom:
+        predicted = plan.predicted.memory.get("total", 0.0) if plan.predicted else 0.0
+        advice = (f"the plan predicts {fmt.nbytes(predicted)} on the busiest device of "
+                  f"{fmt.nbytes(plan.memory_limit_bytes)} usable; re-plan leaner (autopar "
+                  f"compile ... --memory-limit-gb N below what this device really has, or "
+                  f"--constraints recompute=full,microbatch_size=1)")
+    else:
+        last = latest_checkpoint(ckpt)
+        advice = f"last complete checkpoint: {last or 'none'}; relaunch with --resume"
+    return f"rank {rank} {what} ({cause}{reason}){whole}; {advice}"
+
+
+def torch_oom() -> type[BaseException]:
+    """torch's out-of-memory error type (any accelerator)."""
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 def _refuse_unasked_overwrite(directory: str, resume: bool, overwrite: bool) -> None:
@@ -297,7 +343,7 @@ def _evaluator(held, trainer):
 
 
 def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: str | None,
-           tokenizer: str | None, options: dict) -> None:
+           tokenizer: str | None, options: dict, timeout_s: int = 600) -> None:
     """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
     (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
 
@@ -340,7 +386,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
                             f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        init_process_group(_BACKENDS[kind])
+        init_process_group(_BACKENDS[kind], timeout_s)
     finished = False
     try:
         model = serving_model(directory, run_device(kind))
