@@ -100,9 +100,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
                 "replay the all-to-all dispatch's integer routing tensors: constraints "
                 "recompute=full)")
-    if kv_replicated and tp > 1 and pp > 1:
-        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
-                "(constraints pp=1, or a tp that divides the kv heads)")
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     if ep > 1 and zero_stage == 1 and not offload:
