@@ -125,9 +125,6 @@ def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int,
         return None
     if ep > 1:
         return "expert parallelism when serving (constraints ep=1)"
-    if kv_replicated and tp > 1 and pp > 1:
-        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
-                "(constraints pp=1, or a tp that divides the kv heads)")
     return None
 
 

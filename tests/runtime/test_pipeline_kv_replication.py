@@ -6,7 +6,8 @@ each rank computes every kv head and DTensor hands its query heads theirs
 (tp_styles.WholeKvProjection). Plans come from ``autopar.plan`` pinned pp2 x tp2 (4 gloo
 processes) on Hugging Face decoders with one kv head: Gemma's tiny twin under the schedule the
 search picks, and a tiny Llama under 1F1B, interleaved 1F1B and with sequence parallelism.
-Losses and every first-step gradient must equal one process (fp32, 1e-4).
+Losses and every first-step gradient must equal one process (fp32, 1e-4). Cached generation
+under such a plan (eager layers, one kv head per rank as at pp=1) gives one process's tokens.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import autopar
-from autopar.models.hf import load_config
+from autopar.models.hf import build_model, load_config
+from autopar.plan.support import unsupported_serving
 from autopar.runtime.source import describe_source
 
-from .harness import run_ranks
+from .harness import run_in_group, run_ranks, spawn_ranks
 
 pytestmark = pytest.mark.dist
 STEPS, SEQ, BATCH = 3, 32, 4
+ONE_KV_LLAMA = {**load_config("tiny-llama"), "num_key_value_heads": 1}  # 4 query heads
 
 
 def _kv_layout(trainer) -> tuple[int, int]:
@@ -48,8 +52,8 @@ def _kv_layout(trainer) -> tuple[int, int]:
 def _source_and_graph(name: str, tmp_path) -> tuple[dict, object]:
     if name != "tiny-llama-1kv":
         return describe_source(name), autopar.capture(name, seq=SEQ)
-    path = tmp_path / "config.json"  # tiny-llama (4 query heads) with a single kv head
-    path.write_text(json.dumps({**load_config("tiny-llama"), "num_key_value_heads": 1}))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(ONE_KV_LLAMA))
     return describe_source(str(path)), autopar.capture(str(path), seq=SEQ)
 
 
@@ -95,3 +99,34 @@ def test_pp2_tp2_kv_replicated_llama_equals_one_process(pins: dict, tmp_path) ->
     for key, value in pins.items():
         assert getattr(plan, key) == value
     _assert_equal_to_one_process(source, graph, plan)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [30, 31, 32, 33, 34]]
+NEW = 20
+
+
+def _generator_model():
+    torch.manual_seed(0)
+    return build_model(ONE_KV_LLAMA, device="cpu", dtype=torch.float32).eval()
+
+
+def _generate_under(plan_dict: dict) -> list:
+    from autopar.plan import Plan
+
+    generator = autopar.Generator(_generator_model(), Plan.from_dict(plan_dict))
+    return generator.generate(PROMPTS, max_new_tokens=NEW).tolist()
+
+
+def _generation_rank(rank: int, port: int, out, world: int, plan_dict: dict) -> None:
+    run_in_group(rank, port, out, world, _generate_under, plan_dict)
+
+
+def test_pp2_tp2_kv_replicated_generation_gives_one_process_tokens(tmp_path) -> None:
+    """Serving with pipeline stages is no longer refused: each rank caches the one kv head
+    its query heads read, in the layers its stage owns."""
+    assert unsupported_serving(engine="autopar", tp=2, pp=2, ep=1, kv_replicated=True) is None
+    _, graph = _source_and_graph("tiny-llama-1kv", tmp_path)
+    plan = _pipeline_plan(graph, schedule="1f1b", sequence_parallel=False)
+    expected = autopar.Generator(_generator_model()).generate(PROMPTS, max_new_tokens=NEW)
+    (tokens,) = spawn_ranks(_generation_rank, 4, (4, plan.to_dict()), timeout_s=180)
+    assert tokens == expected.tolist()
