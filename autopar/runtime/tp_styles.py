@@ -176,13 +176,19 @@ class WholeKvProjection(ParallelStyle):
                             f"(nn.Linear is); re-plan with a tp that divides the kv heads")
         whole = (Replicate(),)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        # hooks, not a new forward: the module's own forward (a LoRA update included) runs on
+        # plain tensors
+        def local_input(_module, args):
+            x = args[0]
             if isinstance(x, DTensor):  # the region's inputs are replicated DTensors
                 x = x.redistribute(device_mesh, whole).to_local()
-            out = torch.nn.functional.linear(x, module.weight, module.bias)
+            return (x, *args[1:])
+
+        def replicated_output(_module, _args, out):
             return DTensor.from_local(out, device_mesh, whole, run_check=False)
 
-        module.forward = forward
+        module.register_forward_pre_hook(local_input)
+        module.register_forward_hook(replicated_output)
         return module
 
 

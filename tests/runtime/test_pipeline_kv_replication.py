@@ -20,7 +20,6 @@ import torch
 
 import autopar
 from autopar.models.hf import build_model, load_config
-from autopar.plan.support import unsupported_serving
 from autopar.runtime.source import describe_source
 
 from .harness import run_in_group, run_ranks, spawn_ranks
@@ -124,7 +123,6 @@ def _generation_rank(rank: int, port: int, out, world: int, plan_dict: dict) -> 
 def test_pp2_tp2_kv_replicated_generation_gives_one_process_tokens(tmp_path) -> None:
     """Serving with pipeline stages is no longer refused: each rank caches the one kv head
     its query heads read, in the layers its stage owns."""
-    assert unsupported_serving(engine="autopar", tp=2, pp=2, ep=1, kv_replicated=True) is None
     _, graph = _source_and_graph("tiny-llama-1kv", tmp_path)
     plan = _pipeline_plan(graph, schedule="1f1b", sequence_parallel=False)
     expected = autopar.Generator(_generator_model()).generate(PROMPTS, max_new_tokens=NEW)
