@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.codegen import program_text
 from autopar.models.hf import build_model, load_config
 from autopar.runtime.source import describe_source
 
@@ -69,6 +70,8 @@ def _pipeline_plan(graph, **pins):
 
 
 def _assert_equal_to_one_process(source: dict, graph, plan) -> None:
+    # the generated program (what every rank runs) lays the stages' kv projections out whole
+    assert "WholeKvProjection()" in program_text(plan, source)
     single = autopar.plan(graph, devices=1, global_batch=BATCH,
                           constraints=dict(microbatch_size=1, precision="fp32"))
     reference, _, ref_grads = run_ranks(source, single, STEPS, first_grads=True)
