@@ -261,7 +261,8 @@ def autopar_style_imports(w: _Writer, styles: dict[str, str]) -> None:
         w.line("from autopar.runtime.tensor_parallel import Relayout")
     if _style_names(styles, "GraphParallel"):
         w.line("from autopar.runtime.graph_tp import GraphParallel")
-    ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel")
+    ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel",
+                        "WholeKvProjection")
     if ours:
         w.line(f"from autopar.runtime.tp_styles import {ours}")
 

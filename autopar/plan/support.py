@@ -67,8 +67,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
                             schedule: str = "1f1b",
                             recompute: frozenset[str] = frozenset(),
-                            num_microbatches: int = 0, kv_replicated: bool = False
-                            ) -> str | None:
+                            num_microbatches: int = 0) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
     another engine (megatron, megatron-core, deepspeed, llama3-4d, llm-foundry) are exported, not run: they
     are restricted only to what that engine offers."""
@@ -100,9 +99,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
                 "replay the all-to-all dispatch's integer routing tensors: constraints "
                 "recompute=full)")
-    if kv_replicated and tp > 1 and pp > 1:
-        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
-                "(constraints pp=1, or a tp that divides the kv heads)")
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     if ep > 1 and zero_stage == 1 and not offload:
@@ -119,8 +115,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     return None
 
 
-def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int,
-                        kv_replicated: bool = False) -> str | None:
+def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int) -> str | None:
     """Why autopar's generation runtime cannot serve this mesh, or None when it can. Serving
     keeps no gradients or optimizer states, so the training runtime's ZeRO and data-parallel
     wrappers do not arise: data-parallel replicas each serve their share of the prompts."""
@@ -128,9 +123,6 @@ def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int,
         return None
     if ep > 1:
         return "expert parallelism when serving (constraints ep=1)"
-    if kv_replicated and tp > 1 and pp > 1:
-        return ("kv heads replicated over tensor-parallel ranks inside pipeline stages "
-                "(constraints pp=1, or a tp that divides the kv heads)")
     return None
 
 
@@ -141,8 +133,6 @@ def unsupported(config: ParallelConfig) -> str | None:
         zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
         offload=frozenset(config.offload), schedule=config.schedule,
         num_microbatches=config.num_microbatches,
-        kv_replicated=config.tp_layouts is not None and any(
-            layout.kv for _, layout in config.tp_layouts.by_type),
         recompute=frozenset((config.recompute,) if isinstance(config.recompute, str)
                             else config.recompute))
 
@@ -151,16 +141,15 @@ def plan_unsupported(plan: Plan) -> str | None:
     """:func:`unsupported_combination` (:func:`unsupported_serving` for task="infer") for a
     plan (the runtime's view)."""
     m = plan.mesh
-    kv_replicated = any("(kv-heads)" in v for v in plan.placements.get("params", {}).values())
     if plan.task == "infer":
         return unsupported_serving(engine=plan.engine or "autopar", tp=m["tp"], pp=m["pp"],
-                                   ep=m["ep"], kv_replicated=kv_replicated)
+                                   ep=m["ep"])
     return unsupported_combination(
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
         offload=frozenset(plan.offload),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
-        num_microbatches=plan.num_microbatches, kv_replicated=kv_replicated)
+        num_microbatches=plan.num_microbatches)
 
 
 def refuse_unsupported(plan: Plan) -> None:

@@ -35,6 +35,7 @@ from autopar.runtime.tp_styles import (
     HeadSplit,
     KvHeadReplicated,
     RowParallel,
+    WholeKvProjection,
     is_conv1d,
     localize_heads,
     output_dim,
@@ -224,9 +225,6 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     fused = {p: parts for p, parts in plan.placements.get("fused", {}).items()
              if split.get(p) == "col"}
     layout = TensorParallelLayout(traced=traced)
-    if traced and "kv" in split.values():
-        raise PlanError("kv heads replicated over tensor-parallel ranks inside pipeline stages "
-                        "are not supported; re-plan with pp=1 or a tp that divides the kv heads")
     if traced:
         layout.leaves = sorted(split)  # a stage may hold any of them as a graph module
         layout.fused = dict(sorted(fused.items()))
@@ -267,7 +265,8 @@ def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
 
     names = {"GraphParallel": GraphParallel, "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
              "ColumnParallel": ColumnParallel, "RowParallel": RowParallel,
-             "KvHeadReplicated": KvHeadReplicated, "HeadSplit": HeadSplit,
+             "KvHeadReplicated": KvHeadReplicated, "WholeKvProjection": WholeKvProjection,
+             "HeadSplit": HeadSplit,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
     return {path: eval(src, {"__builtins__": {}}, names)  # noqa: S307 - our own text
             for path, src in styles.items()}
@@ -317,7 +316,7 @@ def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
         if isinstance(module, nn.Embedding):
             styles[path] = "RowwiseParallel(input_layouts=Replicate())"
         elif kind == "kv":
-            styles[path] = _kv_style(plan, path)
+            styles[path] = "WholeKvProjection()" if traced else _kv_style(plan, path)
         elif kind == "col" and in_layer:
             styles[path] = f"ColumnParallel({parts}use_local_output={not traced})"
         elif kind == "col" and (traced or whole_logits):  # whole logits: a pipeline's last
@@ -461,6 +460,7 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
             continue
         parts = f"{fused[path]}, " if path in fused else ""
         styles[path] = f"ColumnParallel({parts}use_local_output=False)" if kind == "col" else \
+            "WholeKvProjection()" if kind == "kv" else \
             f"RowParallel(output_layouts={SHARD_SEQ}, use_local_output=False)"
     blocks = [b["name"] for b in plan.model["blocks"]]
     for start, end in chunk_ranges(plan):

@@ -156,6 +156,42 @@ class KvHeadReplicated(ParallelStyle):
         return module
 
 
+class WholeKvProjection(ParallelStyle):
+    """A key or value projection of an attention with fewer kv heads than tp, inside a traced
+    pipeline stage: its weight stays whole (a plain tensor) on every rank, which computes every
+    kv head and returns them as a replicated DTensor.
+
+    :class:`KvHeadReplicated`'s one head per rank needs the attention's code to run at local
+    head counts; a traced stage's views keep the whole model's shapes, so the output must be
+    the whole projection. The attention's query heads are split: DTensor then hands each rank
+    the kv heads its query heads read (replicated -> head shards, no communication), and in the
+    backward gathers the key/value gradient whole, so every rank's weight gradient is already
+    the whole one (nothing to sum over tp)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"kv-head replication of {type(module).__name__} is not supported "
+                            f"(nn.Linear is); re-plan with a tp that divides the kv heads")
+        whole = (Replicate(),)
+
+        # hooks, not a new forward: the module's own forward (a LoRA update included) runs on
+        # plain tensors
+        def local_input(_module, args):
+            x = args[0]
+            if isinstance(x, DTensor):  # the region's inputs are replicated DTensors
+                x = x.redistribute(device_mesh, whole).to_local()
+            return (x, *args[1:])
+
+        def replicated_output(_module, _args, out):
+            return DTensor.from_local(out, device_mesh, whole, run_check=False)
+
+        module.register_forward_pre_hook(local_input)
+        module.register_forward_hook(replicated_output)
+        return module
+
+
 class HeadSplit(ParallelStyle):
     """Every parameter of a module split by heads along its first dimension (a Prefix Tuning
     prefix [kv_heads, tokens, head_dim], with the attention that reads it)."""

@@ -84,8 +84,7 @@ def _configs(mesh: Mesh, global_batch: int, pins: dict, defaults: dict,
              reasons: set[str]) -> list[ParallelConfig]:
     tp_layouts = (layouts or {}).get(mesh.tp)
     reason = unsupported_serving(
-        engine=defaults.get("engine", "autopar"), tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-        kv_replicated=tp_layouts is not None and any(b.kv for _, b in tp_layouts.by_type))
+        engine=defaults.get("engine", "autopar"), tp=mesh.tp, pp=mesh.pp, ep=mesh.ep)
     if reason is not None:
         rejected["runtime"] = rejected.get("runtime", 0) + 1
         reasons.add(reason)
