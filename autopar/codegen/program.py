@@ -26,6 +26,7 @@ from torch import nn
 
 from autopar.plan import Plan
 from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
+from autopar.runtime.style_spec import StyleSpec
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 PROGRAM_FILE = "train.py"
@@ -187,10 +188,10 @@ def prose(value: object) -> str:
 
 
 def _value(v: object) -> str:
-    if isinstance(v, str) and v.endswith(")") and "(" in v and not v.startswith("("):
-        return v  # a style expression
+    if isinstance(v, StyleSpec):
+        return str.__str__(v)  # a style record's source: its arguments rendered by repr
     if isinstance(v, tuple):
-        return "(" + ", ".join(str(x) for x in v) + ")"
+        return "(" + ", ".join(_value(x) for x in v) + ")"
     return json.dumps(v)
 
 

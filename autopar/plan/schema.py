@@ -62,8 +62,9 @@ class ModelFacts(TypedDict, total=False):
 class Placements(TypedDict, total=False):
     params: dict[Path, Placement]
     nodes_by_block_type: dict
-    fused: dict[Path, list[PositiveInt]]
-    heads: dict[Path, list[PositiveInt]]
+    # checked by plan/tp_entries.py (lists of positive ints that add up and split whole)
+    fused: dict[Path, object]
+    heads: dict[Path, object]
 
 
 class PredictedFile(TypedDict, total=False):

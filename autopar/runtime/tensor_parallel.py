@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from autopar.capture.layer_graph import fused_parts, runs_from_graph, shard_dims
 from autopar.errors import PlanError
 from autopar.plan import Plan
+from autopar.runtime.style_spec import REPLICATE, StyleSpec, shard
 from autopar.runtime.tp_styles import (
     ColumnParallel,
     HeadSplit,
@@ -42,7 +43,7 @@ from autopar.runtime.tp_styles import (
 )
 
 SEQ = 1  # the sequence dimension of the (batch, sequence, hidden) residual stream
-SHARD_SEQ = f"Shard({SEQ})"
+SHARD_SEQ = shard(SEQ)
 
 
 def layer_names(plan: Plan) -> list[str]:
@@ -156,7 +157,7 @@ def _graph_style(plan: Plan, layer: str) -> str:
     """The GraphParallel expression of one layer: its split parameters and fused parts."""
     params = shard_dims(plan.placements["params"], layer)
     fused = fused_parts(plan.placements.get("fused", {}), params, layer)
-    return f"GraphParallel({params!r}, {fused!r})" if fused else f"GraphParallel({params!r})"
+    return StyleSpec("GraphParallel", params, fused) if fused else StyleSpec("GraphParallel", params)
 
 
 def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
@@ -241,7 +242,7 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     else:
         styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
     for path in _head_split(model, plan):  # Prefix Tuning's prefixes, split by heads
-        styles[path] = "HeadSplit()"
+        styles[path] = StyleSpec("HeadSplit")
     for layer in graphed:
         styles[layer] = _graph_style(plan, layer)
     layout.styles = _in_model_order(model, styles)
@@ -258,18 +259,17 @@ def _head_split(model: nn.Module, plan: Plan) -> list[str]:
                    and fqn.rpartition(".")[0] in present})
 
 
-def build_styles(styles: dict[str, str]) -> dict[str, ParallelStyle]:
-    """The ParallelStyle objects a layout's source expressions describe (the names they use
-    are the ones the generated program imports)."""
+def build_styles(styles: dict[str, StyleSpec]) -> dict[str, ParallelStyle]:
+    """The ParallelStyle objects a layout's style records describe (built by calling the
+    listed constructors: nothing is evaluated)."""
     from autopar.runtime.graph_tp import GraphParallel
 
-    names = {"GraphParallel": GraphParallel, "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
-             "ColumnParallel": ColumnParallel, "RowParallel": RowParallel,
-             "KvHeadReplicated": KvHeadReplicated, "WholeKvProjection": WholeKvProjection,
-             "HeadSplit": HeadSplit,
+    names = {"GraphParallel": GraphParallel, "RowwiseParallel": RowwiseParallel,
+             "SequenceParallel": SequenceParallel, "ColumnParallel": ColumnParallel,
+             "RowParallel": RowParallel, "KvHeadReplicated": KvHeadReplicated,
+             "WholeKvProjection": WholeKvProjection, "HeadSplit": HeadSplit,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
-    return {path: eval(src, {"__builtins__": {}}, names)  # noqa: S307 - our own text
-            for path, src in styles.items()}
+    return {path: spec.build(names) for path, spec in styles.items()}
 
 
 def apply_layout(model: nn.Module, layout: TensorParallelLayout, tp_mesh: DeviceMesh,
@@ -312,32 +312,32 @@ def _tensor_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
     for path, kind in split.items():
         module = model.get_submodule(path)
         in_layer = _under(path, layers) is not None
-        parts = f"{fused[path]}, " if path in fused else ""
+        parts = [fused[path]] if path in fused else []
         if isinstance(module, nn.Embedding):
-            styles[path] = "RowwiseParallel(input_layouts=Replicate())"
+            styles[path] = StyleSpec("RowwiseParallel", input_layouts=REPLICATE)
         elif kind == "kv":
-            styles[path] = "WholeKvProjection()" if traced else _kv_style(plan, path)
+            styles[path] = StyleSpec("WholeKvProjection") if traced else _kv_style(plan, path)
         elif kind == "col" and in_layer:
-            styles[path] = f"ColumnParallel({parts}use_local_output={not traced})"
+            styles[path] = StyleSpec("ColumnParallel", *parts, use_local_output=not traced)
         elif kind == "col" and (traced or whole_logits):  # whole logits: a pipeline's last
             # stage, or a caller's own loss
-            styles[path] = "ColumnParallel(output_layouts=Replicate())"
+            styles[path] = StyleSpec("ColumnParallel", output_layouts=REPLICATE)
         elif kind == "col":  # the LM head: logits stay split over the vocabulary (the loss is
-            styles[path] = "ColumnParallel(use_local_output=False)"  # vocabulary-parallel)
+            styles[path] = StyleSpec("ColumnParallel", use_local_output=False)  # vocab-parallel)
         else:
-            styles[path] = "RowParallel()"
+            styles[path] = StyleSpec("RowParallel")
     if traced:
         for region in _regions(model, layers, split):
             if any(_under(p, [region]) for p in split):
-                styles[region] = "Relayout(replicate_rest=True)"
+                styles[region] = StyleSpec("Relayout", replicate_rest=True)
     return _in_model_order(model, styles)
 
 
-def _kv_style(plan: Plan, path: str) -> str:
+def _kv_style(plan: Plan, path: str) -> StyleSpec:
     """The kv-head-replicated style of a key/value projection, sized by its attention's heads."""
     for attention, (_, kv, head_dim) in plan.placements.get("heads", {}).items():
         if _under(path, [attention]):
-            return f"KvHeadReplicated({kv}, {head_dim})"
+            return StyleSpec("KvHeadReplicated", int(kv), int(head_dim))
     raise PlanError(f"the plan replicates kv heads in {path} but records no attention heads "
                     f"for it; re-plan it with this autopar version")
 
@@ -349,7 +349,7 @@ def _in_model_order(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
 
 def _norm_styles(model: nn.Module, layers: list[str]) -> dict[str, str]:
     """Each layer's norms run on their sequence shard (Megatron-SP)."""
-    return {f"{name}.{child}": f"SequenceParallel(sequence_dim={SEQ})" for name in layers
+    return {f"{name}.{child}": StyleSpec("SequenceParallel", sequence_dim=SEQ) for name in layers
             for child, module in model.get_submodule(name).named_children() if _is_norm(module)}
 
 
@@ -391,18 +391,18 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
             raise PlanError(f"the plan splits {name} before the first layer; sequence "
                             f"parallelism expects only embeddings there; re-plan with "
                             f"constraints sequence_parallel=false")
-        styles[name] = (f"RowwiseParallel(input_layouts=Replicate(), output_layouts={SHARD_SEQ}, "
-                        "use_local_output=False)") if lone else \
-            "RowwiseParallel(input_layouts=Replicate())"
-    styles[layers[0]] = f"Relayout(inputs=(Replicate(), {SHARD_SEQ}))"
+        styles[name] = StyleSpec("RowwiseParallel", input_layouts=REPLICATE,
+                                 output_layouts=SHARD_SEQ, use_local_output=False) if lone else \
+            StyleSpec("RowwiseParallel", input_layouts=REPLICATE)
+    styles[layers[0]] = StyleSpec("Relayout", inputs=(REPLICATE, SHARD_SEQ))
     for region in _regions(model, layers, split):
         kinds = {k for p, k in split.items() if _under(p, [region])}
         # a split region takes the gathered input as a DTensor, so that its backward
         # reduce-scatters the input gradient; a replicated one computes on plain tensors
-        outputs = "None" if "row" in kinds else f"(Replicate(), {SHARD_SEQ})"
+        outputs = None if "row" in kinds else (REPLICATE, SHARD_SEQ)
         local = not {"col", "kv"} & kinds
-        styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), "
-                          f"local_input={local}, outputs={outputs})")
+        styles[region] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE), local_input=local,
+                                   outputs=outputs)
     styles.update(_norm_styles(model, layers))
     for path, kind in split.items():
         if _under(path, layers) is None:
@@ -410,21 +410,22 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         if kind == "kv":
             styles[path] = _kv_style(plan, path)
             continue
-        styles[path] = (f"ColumnParallel({fused[path]})" if path in fused else "ColumnParallel()") \
-            if kind == "col" else \
-            f"RowParallel(output_layouts={SHARD_SEQ}, use_local_output=False)"
+        styles[path] = (StyleSpec("ColumnParallel", fused[path]) if path in fused
+                        else StyleSpec("ColumnParallel")) if kind == "col" else \
+            StyleSpec("RowParallel", output_layouts=SHARD_SEQ, use_local_output=False)
     for name, module in tail_side:
         if _is_norm(module):
-            styles[name] = f"SequenceParallel(sequence_dim={SEQ})"
+            styles[name] = StyleSpec("SequenceParallel", sequence_dim=SEQ)
         elif split.get(name) == "col":
-            styles[name] = f"ColumnParallel(input_layouts={SHARD_SEQ}, " + \
-                ("output_layouts=Replicate())" if whole_logits else "use_local_output=False)")
+            styles[name] = StyleSpec("ColumnParallel", input_layouts=SHARD_SEQ,
+                                     output_layouts=REPLICATE) if whole_logits else \
+                StyleSpec("ColumnParallel", input_layouts=SHARD_SEQ, use_local_output=False)
         elif name in split:
             raise PlanError(f"the plan splits {name} by rows after the last layer; sequence "
                             f"parallelism expects a column-parallel or replicated LM head; "
                             f"re-plan with constraints sequence_parallel=false")
         else:
-            styles[name] = f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True)"
+            styles[name] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE), local_input=True)
     return _in_model_order(model, styles)
 
 
@@ -446,34 +447,34 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
               if _under(p, layers) is None}
     for region in _regions(model, layers, split):
         kinds = {k for p, k in split.items() if _under(p, [region])}
-        outputs = "None" if "row" in kinds else f"(Replicate(), {SHARD_SEQ})"
+        outputs = None if "row" in kinds else (REPLICATE, SHARD_SEQ)
         if kinds:  # split: every input a replicated DTensor (the stream gathered), so that
             # the backward reduce-scatters the stream's gradient
-            styles[region] = f"Relayout(outputs={outputs}, replicate_rest=True)" \
-                if outputs != "None" else "Relayout(replicate_rest=True)"
+            styles[region] = StyleSpec("Relayout", outputs=outputs, replicate_rest=True) \
+                if outputs is not None else StyleSpec("Relayout", replicate_rest=True)
         else:  # replicated: computes on the whole plain input
-            styles[region] = (f"Relayout(inputs=({SHARD_SEQ}, Replicate()), local_input=True, "
-                              f"outputs={outputs})")
+            styles[region] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE),
+                                       local_input=True, outputs=outputs)
     styles.update(_norm_styles(model, layers))
     for path, kind in split.items():
         if _under(path, layers) is None:
             continue
-        parts = f"{fused[path]}, " if path in fused else ""
-        styles[path] = f"ColumnParallel({parts}use_local_output=False)" if kind == "col" else \
-            "WholeKvProjection()" if kind == "kv" else \
-            f"RowParallel(output_layouts={SHARD_SEQ}, use_local_output=False)"
+        parts = [fused[path]] if path in fused else []
+        styles[path] = StyleSpec("ColumnParallel", *parts, use_local_output=False) \
+            if kind == "col" else StyleSpec("WholeKvProjection") if kind == "kv" else \
+            StyleSpec("RowParallel", output_layouts=SHARD_SEQ, use_local_output=False)
     blocks = [b["name"] for b in plan.model["blocks"]]
     for start, end in chunk_ranges(plan):
         mine = [b for b in blocks[start:end] if b in layers]
         if not mine:
             continue
-        scatter = f"inputs=(Replicate(), {SHARD_SEQ})"
-        gather = f"outputs=({SHARD_SEQ}, Replicate()), local_output=True"
+        scatter = {"inputs": (REPLICATE, SHARD_SEQ)}
+        gather = {"outputs": (SHARD_SEQ, REPLICATE), "local_output": True}
         if mine[0] == mine[-1]:
-            styles[mine[0]] = f"Relayout({scatter}, {gather})"
+            styles[mine[0]] = StyleSpec("Relayout", **scatter, **gather)
         else:
-            styles[mine[0]] = f"Relayout({scatter})"
-            styles[mine[-1]] = f"Relayout({gather})"
+            styles[mine[0]] = StyleSpec("Relayout", **scatter)
+            styles[mine[-1]] = StyleSpec("Relayout", **gather)
     return _in_model_order(model, styles)
 
 

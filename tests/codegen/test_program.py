@@ -69,7 +69,8 @@ def test_torchrun_runs_the_program_file_and_edits_are_kept(tmp_path) -> None:
                                        "torch.optim.AdamW(param_groups, lr=hp.lr * 0.5,")
     program.write_text(text)
     (art / "logs" / "train.jsonl").unlink()
-    ran = _torchrun(2, "-m", "autopar", "run", str(art), "--steps", "2", "--device", "cpu")
+    ran = _torchrun(2, "-m", "autopar", "run", str(art), "--steps", "2", "--device", "cpu",
+                    "--overwrite")
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "edited by hand" in ran.stderr
     assert program.read_text() == text  # kept
@@ -95,7 +96,7 @@ def test_an_edited_plan_regenerates_the_program(tmp_path) -> None:
     assert "regenerated" in ran.stderr
     after = (art / "train.py").read_text()
     assert after != before and '"model.layers.0": "full"' in after
-    ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu")
+    ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu", "--overwrite")
     assert ran.returncode == 0 and "regenerated" not in ran.stderr  # now up to date
 
 
