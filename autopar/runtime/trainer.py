@@ -194,7 +194,8 @@ class Trainer:
         )
 
         self.tied = tied_copies(model)
-        example = torch.zeros(plan.microbatch_size, *self.task.sample_shape) \
+        # a classifier's example meets its first layer's weights, on meta: it is on meta too
+        example = torch.zeros(plan.microbatch_size, *self.task.sample_shape, device="meta") \
             if self.task.classifies else \
             torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
         spec = program.PIPELINE
