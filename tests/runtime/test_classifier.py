@@ -96,6 +96,30 @@ def test_classification_loss_is_the_mean_cross_entropy() -> None:
     torch.testing.assert_close(got, want)
 
 
+def test_tensors_no_init_rule_writes_take_the_constructors_values() -> None:
+    """The ViT's bare class-token and position parameters and nn.MultiheadAttention's packed
+    projection have no reset_parameters: from meta they take what the factory's constructor
+    wrote (built once on CPU, same seed); without that build they are refused."""
+    from autopar.runtime.init import materialize
+    from autopar.runtime.source import build_from_source
+
+    built = []
+
+    def constructed() -> torch.nn.Module:
+        built.append(build_from_source(VIT, 3, "cpu"))
+        return built[-1]
+
+    model = build_from_source(VIT, 3, "meta")
+    materialize(model, 3, constructed=constructed)
+    assert len(built) == 1  # once, however many tensors need it
+    whole = dict(built[0].named_parameters())
+    for name in ("pos", "layers.0.self_attn.in_proj_weight"):
+        torch.testing.assert_close(model.get_parameter(name), whole[name], rtol=0, atol=0)
+    assert float(model.get_parameter("pos").detach().std()) > 0
+    with pytest.raises(PlanError, match="cannot initialise"):
+        materialize(build_from_source(VIT, 3, "meta"), 3)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("devices,pins", [(2, dict(dp=2, zero_stage=3)),
                                           (2, dict(tp=2, recompute="full")),
