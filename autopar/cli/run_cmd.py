@@ -78,8 +78,8 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1))
 @click.option("--data", default="synthetic", show_default=True,
-              help="'synthetic' (deterministic random tokens) or a token dataset PREFIX from "
-                   "`autopar data prepare`.")
+              help="'synthetic' (deterministic random tokens; a classifier's: random "
+                   "samples and labels) or a token dataset PREFIX from `autopar data prepare`.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the weights and the synthetic data (with --generate: the "
                    "sampling draws).")
@@ -336,8 +336,12 @@ def _evaluator(held, trainer):
     """``evaluate(trainer)`` over the held-out data (opened and checked now), or None."""
     if held is None:
         return None
+    from autopar.errors import PlanError
     from autopar.runtime.evaluate import evaluate, held_out_source
 
+    if trainer.task.classifies:
+        raise PlanError("--eval measures a language model's loss and perplexity on held-out "
+                        "tokens; this model is a classifier: drop --eval")
     data = held_out_source(held, trainer.vocab)
     return lambda t: evaluate(t, held, data)
 

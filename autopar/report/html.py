@@ -85,7 +85,7 @@ def _cards(d: dict) -> str:
     s = d["summary"]
     used = s["memory_fraction"] or 0.0
     cards = [("step time", fmt.seconds(s["step_time_s"]), ""),
-             ("tokens / s", fmt.count(s["tokens_per_s"]), ""),
+             (f"{s.get('throughput_unit', 'tokens')} / s", fmt.count(s["tokens_per_s"]), ""),
              ("MFU", fmt.pct(s["mfu"]), ""),
              ("memory / device", f"{fmt.nbytes(s['memory']['total'])}",
               f'<div class="bar"><div class="{"high" if used > 0.9 else ""}" '

@@ -95,6 +95,12 @@ def _error(predicted: float, measured: float) -> float | None:
     return (predicted - measured) / measured if measured > 0 else None
 
 
+def _throughput(record: dict) -> float:
+    """A step's measured throughput: tokens/s, or a classifier's samples/s (what its plan's
+    ``predicted.tokens_per_s`` counts then)."""
+    return record["tokens_per_s"] if "tokens_per_s" in record else record["samples_per_s"]
+
+
 def compare(plan: Plan, run: dict) -> dict:
     """The measured-vs-predicted view: per stage and term, predicted and measured seconds
     (bytes for memory) and the relative error; the run's loss and throughput."""
@@ -103,7 +109,7 @@ def compare(plan: Plan, run: dict) -> dict:
     # the profiler slows the steps it records: throughput from the others, after the first
     plain = [r for i, r in enumerate(train) if i > 0 and not window[0] <= i < window[1]] \
         or train
-    tokens = statistics.median(r["tokens_per_s"] for r in plain)
+    tokens = statistics.median(_throughput(r) for r in plain)
     step = statistics.median(r["step_time_s"] for r in plain if "step_time_s" in r) \
         if any("step_time_s" in r for r in plain) else None
     mfu = [r["mfu"] for r in plain if r.get("mfu") is not None]
@@ -133,7 +139,7 @@ def compare(plan: Plan, run: dict) -> dict:
         "rows": rows,
         "stages": profile["stages"] if profile else [],
         "curves": {"step": [r["step"] for r in train], "loss": [r["loss"] for r in train],
-                   "tokens_per_s": [r["tokens_per_s"] for r in train],
+                   "tokens_per_s": [_throughput(r) for r in train],
                    "eval_step": [e["step"] for e in run["eval"]],
                    "eval_loss": [e["loss"] for e in run["eval"]]},
     }

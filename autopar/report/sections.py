@@ -43,7 +43,8 @@ def summary_section(d: dict) -> Section:
         ("recompute", fmt.recompute_counts(s["recompute"])),
         ("offload", fmt.offload(s["offload"])),
         ("step time", f"{fmt.seconds(s['step_time_s'])} (bubble {fmt.seconds(s['bubble_s'])})"),
-        ("throughput", f"{fmt.count(s['tokens_per_s'])} tokens/s, MFU {fmt.pct(s['mfu'])} "
+        ("throughput", f"{fmt.count(s['tokens_per_s'])} {s.get('throughput_unit', 'tokens')}/s, "
+                       f"MFU {fmt.pct(s['mfu'])} "
                        f"(model FLOPs: recompute not counted)"),
         ("memory", f"{fmt.nbytes(mem['total'])} of {fmt.nbytes(s['memory_limit_bytes'])} "
                    f"({fmt.pct(s['memory_fraction'])}) on the busiest device"),
@@ -276,8 +277,9 @@ def run_sections(d: dict) -> list[Section]:
         e = r["eval"]
         pairs.append(("evaluation", f"after step {e['step']}: loss {e['loss']:.4f}, perplexity "
                                     f"{e['perplexity']:.2f} ({fmt.count(e['tokens'])} tokens)"))
+    unit = d.get("summary", {}).get("throughput_unit", "tokens")
     for key, label, show in (("step_time_s", "step time", fmt.seconds),
-                             ("tokens_per_s", "tokens/s", fmt.count), ("mfu", "MFU", fmt.pct)):
+                             ("tokens_per_s", f"{unit}/s", fmt.count), ("mfu", "MFU", fmt.pct)):
         v = r[key]
         if v["measured"] is not None:
             err = (v["predicted"] - v["measured"]) / v["measured"] if v["measured"] else None

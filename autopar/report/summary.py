@@ -181,6 +181,19 @@ def memory_warning(plan: Plan) -> str | None:
             f"{why}; give it headroom with more devices, recompute or a smaller micro-batch")
 
 
+def throughput_unit(plan: Plan) -> str:
+    """What ``predicted.tokens_per_s`` counts: "tokens" when the model takes token ids, else
+    "samples" (the cost model counts a model's batch when no input is integer ids, e.g. a
+    classifier's images). A plan without recorded input dtypes counts tokens."""
+    dtypes = plan.model.get("input_dtypes")
+    if dtypes is None:
+        return "tokens"
+    shapes = plan.model.get("inputs", {})
+    ids = any(dtype.startswith(("int", "uint")) and len(shapes.get(name, ())) >= 2
+              for name, dtype in dtypes.items())
+    return "tokens" if ids else "samples"
+
+
 def report_data(plan: Plan) -> dict:
     """Everything the report shows, as plain data."""
     p = plan.predicted
@@ -202,6 +215,7 @@ def report_data(plan: Plan) -> dict:
             "zero_stage": plan.zero_stage, "zero": _ZERO.get(plan.zero_stage, "?"),
             "recompute": plan.recompute_counts(), "offload": list(plan.offload),
             "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
+            "throughput_unit": throughput_unit(plan),
             "bubble_s": p.bubble_s, "memory": dict(p.memory), "memory_limit_bytes": limit,
             "memory_fraction": p.memory["total"] / limit if limit else None,
             "host_bytes_per_node": p.host_bytes_per_node,

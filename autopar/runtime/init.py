@@ -63,7 +63,8 @@ class InitReport:
 
 def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = None,
                 device: str | torch.device = "cpu",
-                weights: HFCheckpoint | None = None) -> InitReport:
+                weights: HFCheckpoint | None = None,
+                constructed: Callable[[], nn.Module] | None = None) -> InitReport:
     """Allocate ``model``'s parameters and buffers on ``device`` (local shards only) and
     initialise them as the unsharded model built from ``seed`` would be, in place.
 
@@ -78,6 +79,12 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
     ``weights`` (a checkpoint matched to ``reference``) supplies every tensor it holds instead:
     each rank reads only its slices; the rest (buffers such as rotary frequencies) are
     generated as above.
+
+    ``constructed`` returns the model built whole on CPU by its source, with the run's seed
+    (what its constructor wrote); it is called at most once, and only when a tensor is written
+    by no ``reset_parameters`` and no init rule (a plain model's bare ``nn.Parameter``, such
+    as a ViT's class token, or ``nn.MultiheadAttention``'s packed projection): such a tensor
+    takes the constructor's value. Without it, such a tensor is a PlanError.
     """
     for name, t in _named_tensors(model):
         if not t.is_meta:
@@ -106,6 +113,7 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
             if order is not None:
                 rows[id(t)] = order
     peak = 0
+    built: list[dict[str, torch.Tensor]] = []  # the constructed model's tensors, once needed
     for path, (module, chain) in units.items():
         if path not in wanted:
             continue  # nothing of it lives here (another pipeline stage)
@@ -122,9 +130,15 @@ def materialize(model: nn.Module, seed: int, *, reference: nn.Module | None = No
         peak = max(peak, sum(t.numel() * t.element_size() for t in full.values()))
         with torch.no_grad():
             for attr, targets in todo.items():
-                _check_written(full[attr], f"{path}.{attr}" if path else attr, module)
+                fqn = f"{path}.{attr}" if path else attr
+                value = full[attr]
+                if constructed is not None and _unwritten(value):
+                    if not built:
+                        built.append(dict(_named_tensors(constructed())))
+                    value = built[0].get(fqn, value).detach()  # an adapter's: not built
+                _check_written(value, fqn, module)
                 for target in targets:
-                    whole = full[attr]
+                    whole = value
                     if id(target) in rows:  # the order the fused split expects
                         whole = whole.index_select(*rows[id(target)])
                     _fill(target, whole)
@@ -270,12 +284,17 @@ def _generate(module: nn.Module, chain: Chain, path: str, seed: int) -> dict[str
             if t is not None}
 
 
-def _check_written(t: torch.Tensor, fqn: str, module: nn.Module) -> None:
+def _unwritten(t: torch.Tensor) -> bool:
+    """Whether ``t`` (from :func:`_generate`) still holds some of its poison."""
     if t.dtype == torch.bool:
-        return
+        return False
     bad = t.isnan().any() if (t.is_floating_point() or t.is_complex()) else \
         (t == torch.iinfo(t.dtype).min).any()
-    if bool(bad):
+    return bool(bad)
+
+
+def _check_written(t: torch.Tensor, fqn: str, module: nn.Module) -> None:
+    if _unwritten(t):
         raise PlanError(f"cannot initialise {fqn} from meta: neither "
                         f"{type(module).__name__}.reset_parameters nor the model's init rule "
                         f"(init_module, or transformers' _init_weights) writes it; give the "

@@ -1,7 +1,8 @@
-"""The language-model loss of a micro-batch: next-token cross-entropy over the trained
-targets, and R-Drop's two-pass form. Logits split over the vocabulary (a column-parallel LM
-head) stay split: the loss is computed vocabulary-parallel, under ``loss_parallel`` (the
-caller's context), as the cost model prices it."""
+"""The loss of a micro-batch: a language model's next-token cross-entropy over the trained
+targets, and R-Drop's two-pass form; a classifier's cross-entropy against its labels. Logits
+split over the vocabulary (a column-parallel LM head) stay split: the loss is computed
+vocabulary-parallel, under ``loss_parallel`` (the caller's context), as the cost model prices
+it."""
 
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def summed_lm_loss(output: object, targets: torch.Tensor) -> tuple[torch.Tensor,
     if not vocab_split(logits):
         logits = full(logits)
     return _summed_cross_entropy(logits, targets)
+
+
+def classification_loss(output: object, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (fp32) of a classifier's ``(batch, classes)`` logits against its
+    integer labels; logits split over the classes stay split (``loss_parallel``), as the
+    language model's over its vocabulary."""
+    logits = logits_of(output)
+    if not vocab_split(logits):
+        logits = full(logits)
+    return full(F.cross_entropy(logits.float(), labels))
 
 
 def rdrop_loss(logits: torch.Tensor, targets: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -285,12 +285,14 @@ def _float_histc(graph: torch.fx.Graph) -> bool:
 
 
 def materialize_stages(modules: list[nn.Module], seed: int, reference: nn.Module, device: str,
-                       weights: HFCheckpoint | None = None) -> InitReport:
+                       weights: HFCheckpoint | None = None, constructed=None) -> InitReport:
     """Allocate and initialise this rank's stage modules (laid out, still on meta) from
     ``reference``, the unsplit meta model: each stage gets the slice of the weights one
     process would hold, tied copies on different stages included; from ``weights`` (a
-    matched checkpoint) where it has them."""
-    reports = [materialize(module, seed, reference=reference, device=device, weights=weights)
+    matched checkpoint) where it has them; ``constructed``: as for
+    :func:`autopar.runtime.init.materialize`."""
+    reports = [materialize(module, seed, reference=reference, device=device, weights=weights,
+                           constructed=constructed)
                for module in modules]
     return InitReport(units=sum(r.units for r in reports),
                       peak_unit_bytes=max(r.peak_unit_bytes for r in reports),

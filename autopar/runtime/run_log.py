@@ -17,10 +17,12 @@ from autopar.report import fmt
 
 
 def step_line(record: dict, total: int, eta_s: float | None) -> str:
-    """The console line of one step: step/total, loss, learning rate, tokens/s, MFU, memory,
-    ETA."""
+    """The console line of one step: step/total, loss, learning rate, tokens/s (a
+    classifier's samples/s), MFU, memory, ETA."""
+    speed = f"{fmt.count(record['tokens_per_s'])} tok/s" if "tokens_per_s" in record else \
+        f"{fmt.count(record['samples_per_s'])} samples/s"
     parts = [f"step {record['step'] + 1}/{total}", f"loss {record['loss']:.4f}",
-             f"lr {record['lr']:.3g}", f"{fmt.count(record['tokens_per_s'])} tok/s"]
+             f"lr {record['lr']:.3g}", speed]
     if record.get("mfu") is not None:
         parts.append(f"MFU {fmt.pct(record['mfu'])}")
     parts.append(f"mem {fmt.nbytes(record['peak_memory_bytes'])}")
@@ -93,12 +95,14 @@ class RunLog:
             self._bar.start()
 
     def step(self, record: dict, done: int) -> None:
-        """One training step's record (step, loss, lr, step_time_s, tokens_per_s, mfu,
-        peak_memory_bytes); ``done``: steps of this run finished so far."""
+        """One training step's record (step, loss, lr, step_time_s, tokens_per_s or a
+        classifier's samples_per_s, mfu, peak_memory_bytes); ``done``: steps of this run
+        finished so far."""
         self._append("train.jsonl", record)
         self._times.append(record["step_time_s"])
         if self._writer is not None:
-            for key in ("loss", "lr", "tokens_per_s", "mfu", "peak_memory_bytes"):
+            for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "mfu",
+                        "peak_memory_bytes"):
                 value = record.get(key)
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, record["step"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -27,11 +28,12 @@ from autopar.runtime.expert_parallel import (
 )
 from autopar.runtime.hf_weights import HFCheckpoint
 from autopar.runtime.init import InitReport, materialize
-from autopar.runtime.loss import IGNORE_INDEX, full, lm_loss, logits_of
+from autopar.runtime.loss import IGNORE_INDEX, classification_loss, full, lm_loss, logits_of
 from autopar.runtime.loss_scale import LossScaler
 from autopar.runtime.optim import Hyperparameters, decay_groups, lr_at, set_lr
 from autopar.runtime.run_log import RunLog
 from autopar.runtime.source import build_from_source
+from autopar.runtime.task import open_samples, training_task
 from autopar.runtime.tensor_parallel import reduce_partial_grads
 from autopar.runtime.trace_summary import BACKWARD, FORWARD, OPTIMIZER, STEP, mark_forward
 
@@ -47,6 +49,20 @@ def _vocab(model: nn.Module, plan: Plan) -> int:
         raise PlanError("the plan does not record the model's output shape and the model has "
                         "no config.vocab_size; re-plan it with this autopar version")
     return int(shapes[0][-1])
+
+
+def _constructor(source: dict, seed: int) -> Callable[[], nn.Module]:
+    """A function that builds the model of ``source`` on CPU with ``seed`` once (later calls
+    return the same build), leaving the caller's random state as it was."""
+    built: list[nn.Module] = []
+
+    def build() -> nn.Module:
+        if not built:
+            with torch.random.fork_rng(devices=[]):
+                built.append(build_from_source(source, seed, "cpu"))
+        return built[0]
+
+    return build
 
 
 class Trainer:
@@ -100,11 +116,22 @@ class Trainer:
         self.evaluating = False  # autopar.runtime.evaluate runs forward-only passes
         check_module_paths(model, plan)
         check_tp_entries(model, plan)
-        self.vocab = _vocab(model, plan)
-        self.seq = next(iter(plan.model["inputs"].values()))[1]
-        from autopar.runtime.dataset import open_source
+        # a language model or a classifier, from the plan's captured inputs and output
+        self.task = training_task(plan)
+        if self.task.classifies:
+            if self.rdrop_alpha is not None:
+                raise PlanError("R-Drop's loss compares two passes' token distributions; "
+                                "this model is a classifier: plan it without R-Drop")
+            self.vocab: int | None = None  # no tokens: no vocabulary, no sequence
+            self.seq: int | None = None
+            self.data = open_samples(data, self.task)
+        else:
+            self.vocab = _vocab(model, plan)
+            self.seq = next(iter(plan.model["inputs"].values()))[1]
+            from autopar.runtime.dataset import open_source
 
-        self.data = open_source(data, self.vocab)  # bad data fails before any parallel setup
+            # bad data fails before any parallel setup
+            self.data = open_source(data, self.vocab)
         # the unparallelised meta model: materialize reads each module's class and init rule
         # from it (parallelism replaces both); a meta copy costs no memory
         reference = copy.deepcopy(model)
@@ -115,6 +142,9 @@ class Trainer:
             else None
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
+        # what the model's constructor wrote, for the tensors no init rule writes (a plain
+        # model's bare parameters): the model built whole on CPU, only if one needs it
+        self.constructed = _constructor(source, seed)
         self.pipe = None
         self.replicated = False  # a pipeline's ZeRO-0/1 replicas (gradients all-reduced)
         # the generated program lays the model out: its mesh, then its parallelize functions
@@ -133,9 +163,11 @@ class Trainer:
         else:
             program.parallelize(model, mesh, plan)
             self.init_report = materialize(model, seed, reference=reference,
-                                           device=self.device, weights=self.weights)
+                                           device=self.device, weights=self.weights,
+                                           constructed=self.constructed)
             # DDP broadcasts and buckets real tensors: only after materialize
             model = program.replicate(model, mesh, plan)
+        del self.constructed  # frees the CPU build, if one was made
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
@@ -162,7 +194,10 @@ class Trainer:
         )
 
         self.tied = tied_copies(model)
-        example = torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
+        # a classifier's example meets its first layer's weights, on meta: it is on meta too
+        example = torch.zeros(plan.microbatch_size, *self.task.sample_shape, device="meta") \
+            if self.task.classifies else \
+            torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
         spec = program.PIPELINE
         loss_fn = self.loss if self.scaler is None else \
             (lambda out, target: self.loss(out, target) if self.evaluating
@@ -178,7 +213,7 @@ class Trainer:
             microbatches=spec["microbatches"])
         self.pp_group = mesh["pp"].get_group()
         self.init_report = materialize_stages(modules, self.seed, reference, device,
-                                              self.weights)
+                                              self.weights, self.constructed)
         for module in modules:  # the profiler sees each stage's forward as one phase
             mark_forward(module)
         self.replicated = replicated_stages(plan, dp_mesh)
@@ -186,7 +221,10 @@ class Trainer:
 
     def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss (:func:`autopar.runtime.loss.lm_loss`, R-Drop's when the
-        fine-tuning method is R-Drop); while evaluating, the plain cross-entropy."""
+        fine-tuning method is R-Drop); while evaluating, the plain cross-entropy. A
+        classifier's: :func:`autopar.runtime.loss.classification_loss` of its labels."""
+        if self.task.classifies:
+            return classification_loss(output, targets)
         if self.evaluating:
             logits = logits_of(output)
             if logits.shape[0] == 2 * targets.shape[0]:  # a pipeline traced R-Drop's 2 passes
@@ -194,12 +232,12 @@ class Trainer:
             return lm_loss(output, targets)
         return lm_loss(output, targets, self.rdrop_alpha)
 
-    def _pipeline_step(self, mine: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.pipeline import sync_tied_grads
 
         losses: list[torch.Tensor] = []
         with self._compute():
-            self.pipe.step(mine[:, :-1], target=targets, losses=losses)
+            self.pipe.step(inputs, target=targets, losses=losses)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp (x ep)
             from autopar.runtime.pipeline import average_replica_grads
 
@@ -224,9 +262,11 @@ class Trainer:
         value = float(total)
         elapsed = time.perf_counter() - start
         plan = self.plan
+        # a classifier's throughput is in samples (it reads no tokens)
+        speed = {"samples_per_s": plan.global_batch / elapsed} if self.task.classifies else \
+            {"tokens_per_s": plan.global_batch * self.seq / elapsed}
         self.last_record = {
-            "step": self.step_index, "loss": value, "lr": lr, "step_time_s": elapsed,
-            "tokens_per_s": plan.global_batch * self.seq / elapsed,
+            "step": self.step_index, "loss": value, "lr": lr, "step_time_s": elapsed, **speed,
             "mfu": measured_mfu(plan, elapsed), "peak_memory_bytes": _peak_memory()}
         self.step_index += 1
         if not math.isfinite(value):
@@ -236,24 +276,17 @@ class Trainer:
     def _step(self) -> tuple[torch.Tensor, float]:
         plan = self.plan
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
-        # each data-parallel rank reads only its rows of this step's global batch
-        window = (self.step_index, plan.global_batch, self.seq, self.seed,
-                  self.dp_rank * per_replica, per_replica)
-        mine = self.data.rows(*window).to(self.device)
-        targets = mine[:, 1:]
-        mask = getattr(self.data, "loss_mask", lambda *_: None)(*window)
-        if mask is not None:  # instruction data: only response tokens are trained targets
-            targets = targets.masked_fill(~mask[:, 1:].to(self.device), IGNORE_INDEX)
+        inputs, targets = self._batch(self.dp_rank * per_replica, per_replica)
         m, b = plan.num_microbatches, plan.microbatch_size
         if self.pipe is not None:
-            total = self._pipeline_step(mine, targets)
+            total = self._pipeline_step(inputs, targets)
         else:
             total = torch.zeros((), device=self.device)
             for i in range(m):
-                chunk = mine[i * b:(i + 1) * b]
+                chunk = inputs[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with record_function(FORWARD), self._compute():
-                        loss = self.loss(self.model(chunk[:, :-1]), targets[i * b:(i + 1) * b])
+                        loss = self.loss(self.model(chunk), targets[i * b:(i + 1) * b])
                     scaled = loss / m
                     with record_function(BACKWARD):
                         (self.scaler.scale(scaled) if self.scaler is not None
@@ -278,11 +311,31 @@ class Trainer:
             total /= plan.mesh["dp"] * plan.mesh["ep"]
         return total, lr
 
+    def _batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model inputs, targets) of rows ``[start, start + count)`` of this step's global
+        batch: each data-parallel rank reads only its rows. A language model reads token ids
+        and predicts each next one; a classifier reads samples and their labels."""
+        plan = self.plan
+        if self.task.classifies:
+            inputs, labels = self.data.rows(self.step_index, plan.global_batch, self.seed,
+                                            start, count)
+            return inputs.to(self.device), labels.to(self.device)
+        window = (self.step_index, plan.global_batch, self.seq, self.seed, start, count)
+        mine = self.data.rows(*window).to(self.device)
+        targets = mine[:, 1:]
+        mask = getattr(self.data, "loss_mask", lambda *_: None)(*window)
+        if mask is not None:  # instruction data: only response tokens are trained targets
+            targets = targets.masked_fill(~mask[:, 1:].to(self.device), IGNORE_INDEX)
+        return mine[:, :-1], targets
+
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The model's logits for ``ids`` (every rank passes the same ids), whole and on
         every rank: forward only, under the plan's parallelism. A pipeline takes the shape
         it was traced for: ``num_microbatches * microbatch_size`` rows of ``seq`` tokens."""
+        if self.task.classifies:
+            raise PlanError("logits() reads a language model's token ids; this model is a "
+                            "classifier: call trainer.model on its inputs instead")
         ids = ids.to(self.device)
         if self.pipe is None:
             mode = self.model.training

@@ -140,3 +140,42 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
     reference = [json.loads(line)["loss"] for line in
                  (single / "logs" / "train.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(reference, rel=1e-4)
+
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def test_a_vit_compiles_and_trains_under_torchrun_as_a_classifier(tmp_path) -> None:
+    """A new user's ViT (a plain nn.Module factory: images in, classes out): ``autopar
+    compile`` then ``torchrun DIR/train.py`` trains it as a classifier, logged in samples/s;
+    token data (--data FILE, --eval) is refused in one line."""
+    import os
+
+    art = tmp_path / "vit"
+    made = cli_here("compile", "tests.fixtures.plain_models:make_vit", "--devices", "2",
+                    "--global-batch", "4", "--constraints", "tp=2,precision=fp32", "--out",
+                    str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(art / "train.py"), "--steps", "3", "--device", "cpu"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT))  # the factory's module, as the user's own
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "samples/s" in result.stdout and "tok/s" not in result.stdout
+    records = [json.loads(line) for line in (art / "logs" / "train.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["samples_per_s"] > 0 and "tokens_per_s" not in r for r in records)
+    report = cli_here("report", str(art), "--run")  # the run beside its plan, in samples
+    assert report.returncode == 0, report.stderr
+    assert "samples/s" in report.stdout and "tokens/s" not in report.stdout
+
+    one = tmp_path / "vit1"
+    assert cli_here("compile", "tests.fixtures.plain_models:make_vit", "--devices", "1",
+                    "--global-batch", "4", "--out", str(one), "-q").returncode == 0
+    _assert_one_line_error(cli_here("run", str(one), "--steps", "1", "--device", "cpu",
+                                    "--data", str(tmp_path / "corpus")), "classifier",
+                           "drop --data")
+    _assert_one_line_error(cli_here("run", str(one), "--steps", "1", "--device", "cpu",
+                                    "--eval", "synthetic"), "classifier", "drop --eval")

@@ -2,9 +2,10 @@
 class): a GPT whose attention is one fused qkv linear cut by ``split`` before SDPA, and a ViT
 of ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``'s packed ``in_proj_weight``).
 Their layers run from their own graph (GraphParallel). Plans are drawn from ``autopar.plan``;
-each trains in the user's own loop through ``autopar.parallelize`` (and the GPT also through
-the generated program) and must equal one process: losses over steps and every parameter's
-gradient at the first step, with the split weights really split.
+each trains in the user's own loop through ``autopar.parallelize`` and through the generated
+program (the Trainer: the GPT as a language model, the ViT as a classifier) and must equal one
+process: losses over steps and every parameter's gradient at the first step, with the split
+weights really split.
 """
 
 from __future__ import annotations
@@ -172,12 +173,16 @@ def test_a_convnet_planned_by_the_search_equals_one_process(single, devices, pin
     assert not plan.sequence_parallel  # a ConvNet has no sequence to split
 
 
+@pytest.mark.parametrize("name", ["gpt", "vit"])
 @pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
                                           (4, dict(pp=2, tp=2, schedule="gpipe"))],
                          ids=["tp2", "tp2xdp2", "pp2xtp2"])
-def test_plain_gpt_through_the_generated_program_equals_one_process(devices, pins) -> None:
-    source = {"kind": "factory", "spec": "tests.fixtures.plain_models:make_gpt"}
-    model, example = make_gpt()
+def test_plain_models_through_the_generated_program_equal_one_process(name, devices,
+                                                                      pins) -> None:
+    """The Trainer reads the task from the plan: the GPT trains as a language model on
+    synthetic tokens, the ViT as a classifier on synthetic images and labels."""
+    source = {"kind": "factory", "spec": f"tests.fixtures.plain_models:make_{name}"}
+    model, example = FACTORIES[name]()
     graph = autopar.capture(model, example)
     constraints = dict(precision="fp32")
     plan = autopar.plan(model, example, devices=devices, global_batch=BATCH,
@@ -188,6 +193,7 @@ def test_plain_gpt_through_the_generated_program_equals_one_process(devices, pin
     got = run_ranks(source, plan, steps=STEPS, first_grads=True)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
     assert got[1] > 0  # weights really are split
+    assert set(got[2]) == set(want[2])  # every gradient, from every rank
     for key, value in want[2].items():
         np.testing.assert_allclose(got[2][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
