@@ -53,6 +53,7 @@ class ModelFacts(TypedDict, total=False):
     params: Count
     inputs: Required[dict[Path, list[PositiveInt]]]
     outputs: dict[Path, list[Count]]
+    input_dtypes: dict[Path, Word]  # "int64", "float32": what the runtime's task is read from
     blocks: Required[list[Block]]
     model_type: Word
     shape: dict[Path, int | float | None]
