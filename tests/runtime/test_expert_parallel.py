@@ -367,3 +367,27 @@ def test_traced_experts_inputs_are_put_in_forward_order() -> None:
     assert _forward_order([weights, index, hidden]) == [2, 1, 0]
     assert _forward_order([torch.zeros(31, 2), index, weights]) is None  # hidden size 2 = k
     assert _forward_order([hidden, index]) is None
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["pp2", "pp2 x ep2"])
+def test_mixture_of_experts_pipeline_trains_in_bf16(mixtral, ep: int) -> None:
+    """The planner's default precision, bf16 autocast, through a pipeline of MoE layers: the
+    stages are traced in fp32, so the router's ``logits.float()`` must convert the bf16 logits
+    at run time rather than assert the traced dtype. Losses follow one bf16 process as the
+    dense bf16 layouts do (test_precision), and the fp32 run."""
+    source, graph, fp32, _ = mixtral
+    single, _ = run_ranks(source, _bf16_plan(graph, 1, ep=1, microbatch_size=2), STEPS)
+    plan = _bf16_plan(graph, 2 * ep, pp=2, ep=ep, dp=1, microbatch_size=1,
+                      num_microbatches=4 // ep, zero_stage=0)
+    assert plan.precision["compute"] == "bf16" and (plan.mesh["pp"], plan.mesh["ep"]) == (2, ep)
+    losses, _ = run_ranks(source, plan, STEPS, timeout_s=400)
+    assert np.isfinite(losses).all()
+    assert losses == pytest.approx(single, rel=0.01)
+    assert losses == pytest.approx(fp32, rel=0.02)
+    assert losses != pytest.approx(fp32, rel=1e-6)  # it really ran in bf16
+
+
+def _bf16_plan(graph, devices: int, **pins):
+    """A plan at the planner's default precision for a bf16 cluster (bf16 compute)."""
+    pins = dict(dict(pp=1, tp=1, num_microbatches=2), **pins)
+    return autopar.plan(graph, devices=devices, global_batch=BATCH, constraints=pins)
