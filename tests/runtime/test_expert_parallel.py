@@ -156,6 +156,7 @@ def test_mixture_of_experts_pipeline_matches_single_process(mixtral, pins: dict)
 
 PIPELINE_CASES = {
     "zero0": dict(zero_stage=0),
+    "zero1": dict(zero_stage=1),
     "zero3": dict(zero_stage=3),
     "1f1b full recompute": dict(zero_stage=0, schedule="1f1b", recompute="full"),
     "zero-bubble zero2": dict(zero_stage=2, schedule="zero_bubble"),
