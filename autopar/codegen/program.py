@@ -494,8 +494,8 @@ def _optimizer(w: _Writer, plan: Plan) -> None:
            "weight decay")
     if plan.mesh["ep"] > 1 and plan.zero_stage == 1 and experts_use_ddp(plan):
         w.line('    """AdamW with its states sharded (ZeRO-1): the dense parameters\' over dp x ep, '
-               'the experts\' over dp;')
-        w.line('    ' + doc + '."""')
+               'the experts\'')
+        w.line('    over dp; ' + doc + '."""')
         w.line("    return ap.expert_zero_optimizer(param_groups, mesh, torch.optim.AdamW, "
                "lr=hp.lr, betas=hp.betas,")
         w.line("                                    eps=hp.eps)")
