@@ -25,6 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from autopar.plan import Plan
+from autopar.runtime.expert_parallel import experts_use_ddp
 from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
 from autopar.runtime.style_spec import StyleSpec
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
@@ -471,7 +472,7 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
         w.line("    experts = ap.stage_expert_parallel(stage, original, mesh)")
     _recompute_statements(w, "stage", pipeline=True)
     if plan.mesh["ep"] > 1:
-        w.line("    # data parallelism: dense modules over dp x ep, experts over dp (ZeRO-0: the "
+        w.line("    # data parallelism: dense modules over dp x ep, experts over dp (ZeRO-0/1: the "
                "runtime averages the gradients after each schedule step)")
         w.line("    ap.shard_experts(stage, mesh, plan, experts)")
     else:
@@ -505,7 +506,14 @@ def _optimizer(w: _Writer, plan: Plan) -> None:
         plan.mesh["ep"] == 1
     doc = ("hp: the run's settings (autopar run --lr, --betas, --eps); each group carries its "
            "weight decay")
-    if zero1:
+    if plan.mesh["ep"] > 1 and plan.zero_stage == 1 and experts_use_ddp(plan):
+        w.line('    """AdamW with its states sharded (ZeRO-1): the dense parameters\' over dp x ep, '
+               'the experts\'')
+        w.line('    over dp; ' + doc + '."""')
+        w.line("    return ap.expert_zero_optimizer(param_groups, mesh, torch.optim.AdamW, "
+               "lr=hp.lr, betas=hp.betas,")
+        w.line("                                    eps=hp.eps)")
+    elif zero1:
         w.line('    """AdamW with its states sharded over dp (ZeRO-1); ' + doc + '."""')
         w.line("    from torch.distributed.optim import ZeroRedundancyOptimizer")
         w.blank()

@@ -101,8 +101,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                 "recompute=full)")
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
-    if ep > 1 and zero_stage == 1 and not offload:
-        return "expert parallelism with ZeRO-1 (constraints zero_stage=2)"
     # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)
     # parameters are data-parallel through fully_shard, which shards gradients (ZeRO-2/3)
     if tp > 1 and dp > 1 and zero_stage < 2 and ep == 1:

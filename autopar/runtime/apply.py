@@ -83,9 +83,9 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     stages and the planned schedule; give ``example`` (one micro-batch of inputs, to trace the
     model) and ``loss_fn(output, target)``, then call ``pipeline.step(inputs, target)`` each
     step. Under expert parallelism each data-parallel rank, dp x ep of them, reads its own
-    rows (``rank // tp``); with ZeRO-2/3 fully_shard reduces the expert gradients, with ZeRO-0
-    DDP reduces the dense ones and the optimizer from :func:`optimizer` the experts' (over dp,
-    before each step, as the Trainer does).
+    rows (``rank // tp``); with ZeRO-2/3 fully_shard reduces the expert gradients, with
+    ZeRO-0/1 DDP reduces the dense ones and the optimizer from :func:`optimizer` the experts'
+    (over dp, before each step, as the Trainer does; ZeRO-1's shards its states too).
     """
     refuse_unsupported(plan)
     check_expert_parallel(plan)
@@ -121,13 +121,15 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
 
 # the attribute of what :func:`parallelize` returns holding the program text it ran
 PROGRAM_ATTR = "_autopar_program"
-# the attribute of a ZeRO-0 expert-parallel model holding its expert-gradient sync, which the
+# the attribute of a ZeRO-0/1 expert-parallel model holding its expert-gradient sync, which the
 # optimizer from :func:`optimizer` runs before each step
 EXPERT_SYNC_ATTR = "_autopar_sync_expert_grads"
+# and its dp group, over which ZeRO-1 shards the experts' optimizer states
+EXPERT_DP_GROUP_ATTR = "_autopar_expert_dp_group"
 
 
 def _with_expert_sync(model: nn.Module, plan: Plan, mesh) -> nn.Module:
-    """Under expert parallelism with ZeRO-0 the program's ``replicate`` leaves the experts out
+    """Under expert parallelism with ZeRO-0/1 the program's ``replicate`` leaves the experts out
     of DDP; their gradients are summed over dp and divided by dp x ep once the step's
     backwards are done (the Trainer's :func:`sync_expert_grads`), here by the optimizer
     before its step. Loop glue, not data parallelism of its own."""
@@ -140,6 +142,7 @@ def _with_expert_sync(model: nn.Module, plan: Plan, mesh) -> nn.Module:
     experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     dp_group = mesh["dp"].get_group() if plan.mesh["dp"] > 1 else None
     setattr(model, EXPERT_SYNC_ATTR, partial(sync_expert_grads, experts, plan, dp_group))
+    setattr(model, EXPERT_DP_GROUP_ATTR, dp_group)
     return model
 
 
@@ -213,15 +216,24 @@ def optimizer(model: nn.Module | Pipeline, plan: Plan,
               **kwargs) -> torch.optim.Optimizer:
     """The optimizer for a :func:`parallelize`-d model or pipeline: ``cls(params,
     **kwargs)``, with its states sharded over the data-parallel ranks
-    (ZeroRedundancyOptimizer) when the plan says ZeRO-1 over replicas. For a ZeRO-0
+    (ZeroRedundancyOptimizer) when the plan says ZeRO-1 over replicas; under expert
+    parallelism, the dense parameters' over dp x ep and the experts' over dp
+    (:class:`~autopar.runtime.expert_zero.ExpertZeroOptimizer`). For a ZeRO-0/1
     expert-parallel model it reduces the expert gradients before each step (after your
     backwards, gradient accumulation included): clip gradients after that, not before."""
+    from autopar.runtime.expert_zero import ExpertZeroOptimizer
+
     params = [p for p in model.parameters() if p.requires_grad]
     sync_experts = getattr(model, EXPERT_SYNC_ATTR, None)
     if sync_experts is not None:
-        opt = cls(params, **kwargs)
+        opt = ExpertZeroOptimizer(params, cls, model.process_group,
+                                  getattr(model, EXPERT_DP_GROUP_ATTR), **kwargs) \
+            if plan.zero_stage == 1 else cls(params, **kwargs)
         opt.register_step_pre_hook(lambda *_: sync_experts())
         return opt
+    if isinstance(model, Pipeline) and model.replicated and plan.zero_stage == 1 and \
+            plan.mesh["ep"] > 1:  # the pipeline synchronised the gradients in its step
+        return ExpertZeroOptimizer(params, cls, model.replica_group, model.dp_group, **kwargs)
     if isinstance(model, Pipeline) and model.replicated and plan.zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -38,6 +38,7 @@ from autopar.files import fsync_dir, fsync_file
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from autopar.runtime.expert_zero import ExpertZeroOptimizer
     from autopar.runtime.trainer import Trainer
 
 LAYOUT = 2  # 1: unflattened optimizer state (param_groups by index), before pp/ZeRO-1 support
@@ -53,11 +54,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _zero1(trainer: Trainer) -> ZeroRedundancyOptimizer | None:
+def _zero1(trainer: Trainer) -> ZeroRedundancyOptimizer | ExpertZeroOptimizer | None:
+    """The trainer's ZeRO-1 optimizer (its ``optim`` holds this rank's partition), or None."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F811
 
+    from autopar.runtime.expert_zero import ExpertZeroOptimizer  # noqa: F811
+
     opt = trainer.optimizer
-    return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
+    return opt if isinstance(opt, (ZeroRedundancyOptimizer, ExpertZeroOptimizer)) else None
 
 
 def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:

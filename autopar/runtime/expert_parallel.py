@@ -32,10 +32,6 @@ def check_expert_parallel(plan: Plan) -> None:
     if plan.mesh["tp"] > 1 and plan.sequence_parallel:
         raise PlanError("expert parallelism with sequence parallelism is not in the runtime "
                         "yet; re-plan with constraints sequence_parallel=false or ep=1")
-    if plan.zero_stage == 1 and not {"optimizer", "params"} & set(plan.offload):
-        raise PlanError("ZeRO-1 with expert parallelism is not in the runtime yet (the "
-                        "optimizer would need two shard groups); re-plan with zero_stage 0, 2 "
-                        "or 3")
 
 
 def _num_experts(model: nn.Module, module: nn.Module) -> int | None:
@@ -196,10 +192,11 @@ def data_rank(mesh: DeviceMesh) -> int:
 
 def experts_use_ddp(plan: Plan) -> bool:
     """Whether an expert-parallel plan replicates its dense parameters with DDP (or, in a
-    pipeline, an all-reduce after the schedule's step) rather than fully_shard: ZeRO-0
-    without tensor parallelism or offload."""
+    pipeline, an all-reduce after the schedule's step) rather than fully_shard: ZeRO-0/1
+    without tensor parallelism or offload (ZeRO-1 then shards the optimizer states:
+    :mod:`autopar.runtime.expert_zero`)."""
     offload = {"optimizer", "params"} & set(plan.offload)
-    return plan.zero_stage == 0 and not offload and plan.mesh["tp"] == 1
+    return plan.zero_stage <= 1 and not offload and plan.mesh["tp"] == 1
 
 
 def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
@@ -238,7 +235,7 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
 
 def replicate_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
                                    experts: list[ExpertParallelExperts]) -> nn.Module:
-    """The DDP half of :func:`apply_expert_data_parallel` (ZeRO-0): DDP over dp x ep for the
+    """The DDP half of :func:`apply_expert_data_parallel` (ZeRO-0/1): DDP over dp x ep for the
     dense parameters, the experts ignored. Needs real tensors: after ``materialize``."""
     if not experts_use_ddp(plan):
         return model
@@ -262,7 +259,7 @@ def apply_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
 
 def sync_expert_grads(experts: list[ExpertParallelExperts], plan: Plan,
                       dp_group: dist.ProcessGroup | None) -> None:
-    """Expert gradients under DDP (ZeRO-0): sum over dp, divide by dp x ep, in one
+    """Expert gradients under DDP (ZeRO-0/1): sum over dp, divide by dp x ep, in one
     all-reduce. fully_shard runs do this in their reduce-scatter instead."""
     from torch.distributed.fsdp import FSDPModule
 

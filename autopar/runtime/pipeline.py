@@ -14,6 +14,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.runtime.init import InitReport, materialize
 from autopar.runtime.split_backward import gather_for_split_backward
+from autopar.runtime.traced_stage import drop_metadata_asserts
 
 if TYPE_CHECKING:
     from autopar.runtime.hf_weights import HFCheckpoint
@@ -125,6 +126,8 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
                         f"{len(chunks)}")
     pp, rank = plan.mesh["pp"], pp_mesh.get_local_rank()
     indices = [i for i in range(len(chunks)) if i % pp == rank]
+    for i in indices:  # the trace ran in fp32; autocast changes dtypes its asserts fixed
+        drop_metadata_asserts(pipe.get_stage_module(i))
     if lay_out is not None:
         for i in indices:
             lay_out(pipe.get_stage_module(i))

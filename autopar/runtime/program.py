@@ -12,8 +12,8 @@ from autopar.plan import Plan
 from autopar.runtime.parallelize import recompute_block, use_host_cores
 from autopar.runtime.tp_styles import localize_heads as _localize_one
 
-__all__ = ["expert_parallel", "localize_heads", "present", "recompute", "replicate_experts",
-           "use_host_cores",
+__all__ = ["expert_parallel", "expert_zero_optimizer", "localize_heads", "present", "recompute",
+           "replicate_experts", "use_host_cores",
            "prepare_stage", "shard_experts", "single_process_mesh", "stage_expert_parallel"]
 
 
@@ -81,6 +81,15 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Modu
 
     experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     return replicate_expert_data_parallel(model, plan, mesh, experts)
+
+
+def expert_zero_optimizer(param_groups: list[dict], mesh: DeviceMesh, optimizer_class: type,
+                          **defaults):
+    """ZeRO-1 under expert parallelism: ``optimizer_class`` with the dense parameters' states
+    sharded over dp x ep and the experts' over dp (after the ZeRO-0 gradient sync)."""
+    from autopar.runtime.expert_zero import expert_zero_optimizer as _optimizer
+
+    return _optimizer(param_groups, mesh, optimizer_class, **defaults)
 
 
 def single_process_mesh(device: str) -> DeviceMesh:

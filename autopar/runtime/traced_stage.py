@@ -53,9 +53,11 @@ def stream_position(module: nn.Module) -> int | None:
 
 def drop_metadata_asserts(stage: nn.Module) -> None:
     """Remove the dtype/device assertions torch.export records for each ``Tensor.to`` (as
-    ``aten._assert_tensor_metadata``) from every graph a traced stage holds: DTensor has no
-    sharding rule for them, and under sequence parallelism a norm's ``to(float32)`` reads a
-    DTensor. They check what the trace already fixed and compute nothing."""
+    ``aten._assert_tensor_metadata``) from every graph a traced stage holds. They assert the
+    dtypes of the fp32 trace, which bf16/fp16 autocast changes at run time (a MoE router's
+    ``logits.float()`` reads bf16 logits: "Tensor dtype mismatch"); DTensor has no sharding
+    rule for them, and under sequence parallelism a norm's ``to(float32)`` reads a DTensor.
+    The ``to`` itself stays in the graph: they compute nothing."""
     target = torch.ops.aten._assert_tensor_metadata.default
     for module in stage.modules():
         graph = getattr(module, "graph", None)
