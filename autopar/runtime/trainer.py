@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from autopar.errors import PlanError
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
+from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
 from autopar.runtime.apply import check_module_paths, check_tp_entries
 from autopar.runtime.expert_parallel import (
@@ -89,8 +90,8 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
-                            f"are running; launch with torchrun --nproc-per-node "
-                            f"{plan.devices} (or re-plan for {world})")
+                            f"are running; launch with "
+                            f"{plan_launch(plan.devices, plan.cluster)} (or re-plan for {world})")
         check_expert_parallel(plan)
         hyper = hyper or Hyperparameters()
         if lr is not None:  # a shorthand for the most common setting
