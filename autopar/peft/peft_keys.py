@@ -79,10 +79,11 @@ def drop_switched_off(data: dict, where: str, method: str, known: frozenset[str]
     """``data`` without the peft settings that are off (or bookkeeping); a
     :class:`PlanError` naming the first one that is on, and what ``method`` takes instead.
 
-    ``known``: the settings autopar runs (kept for the caller). ``peft_file``: ``data`` is
-    peft's own ``adapter_config.json``, whose bookkeeping and model-derived entries are
-    accepted and whose other unknown keys are accepted while off; elsewhere unknown keys are
-    kept for the caller's unknown-setting check (a typo, not a peft feature).
+    ``known``: the settings autopar runs (kept for the caller). Bookkeeping
+    (``base_model_name_or_path``, ...) is dropped from any source. ``peft_file``: ``data`` is
+    peft's own ``adapter_config.json``, whose model-derived entries are accepted and whose
+    other unknown keys are accepted while off; elsewhere unknown keys are kept for the
+    caller's unknown-setting check (a typo, not a peft feature).
     """
     kept = {}
     for key, value in data.items():
@@ -92,9 +93,11 @@ def drop_switched_off(data: dict, where: str, method: str, known: frozenset[str]
             if not _is(value, _OFF[key]):
                 off = " or ".join(json.dumps(v) for v in _OFF[key])
                 raise _refuse(where, key, value, method, f"remove it (or set it to {off})")
+        elif key in _RECORDS:  # bookkeeping, from any source (an export's adapter config)
+            continue
         elif not peft_file:
             kept[key] = value
-        elif key in _RECORDS or key in _FROM_MODEL or key in _DEPENDENT:
+        elif key in _FROM_MODEL or key in _DEPENDENT:
             continue
         elif not _is(value, _GENERIC_OFF):
             raise _refuse(where, key, value, method, "remove it from the file")

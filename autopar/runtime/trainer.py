@@ -141,6 +141,9 @@ class Trainer:
         added = {n for n, _ in reference.named_parameters(remove_duplicate=False)} - base_names
         self.weights = HFCheckpoint(init_from, reference, optional=added) if init_from \
             else None
+        # where the weights started, recorded in every checkpoint (a resumed run takes it
+        # from the one it loads) so that an export can name its base model and tokenizer
+        self.init_from = str(Path(init_from).resolve()) if init_from else None
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
         # what the model's constructor wrote, for the tensors no init rule writes (a plain
