@@ -69,8 +69,7 @@ def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> 
     _parallelize(w, plan, layout, shared)
     _generate(w, plan)
     w.blank(2)
-    run = "torchrun --nproc-per-node N" if plan.devices > 1 else "python"
-    w.line(f'if __name__ == "__main__":  # {run} generate.py --prompts prompts.jsonl')
+    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
     w.line("    import os")
     w.line("    import sys")
     w.blank()

@@ -92,7 +92,7 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     _replicate(w, plan)
     _optimizer(w, plan)
     w.blank(2)
-    w.line('if __name__ == "__main__":  # torchrun --nproc-per-node N train.py --steps 100')
+    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
     w.line("    import os")
     w.line("    import sys")
     w.blank()
