@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from autopar.capture.einsum_projection import node_projection
 from autopar.capture.layer_split import Collectives, Refused, split_graph
 from autopar.errors import PlanError
 
@@ -85,7 +86,8 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 def linear_kinds(gm: fx.GraphModule, signature, params: dict[str, int],
                  fused: dict[str, list[int]], name: str):
     """(placeholder -> "col" | "row" | "bias", placeholder -> fused parts) for the split
-    parameters, by the op that reads each; a split the graph uses otherwise is refused."""
+    parameters, by the op that reads each (a linear, or an einsum projection split on its
+    output or contracted index); a split the graph uses otherwise is refused."""
     by_target = {s.target: s.arg.name for s in signature.input_specs
                  if s.kind == InputKind.PARAMETER}
     nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -100,6 +102,9 @@ def linear_kinds(gm: fx.GraphModule, signature, params: dict[str, int],
                 kinds[node.name] = "col" if dim == 0 else "row"
             elif linear and len(user.args) > 2 and user.args[2] is node and dim == 0:
                 kinds.setdefault(node.name, "bias")
+            elif (proj := node_projection(user, node)) is not None and \
+                    dim in (proj.out_dim, proj.contracted_dim):
+                kinds[node.name] = "col" if dim == proj.out_dim else "row"
             else:
                 raise PlanError(f"the plan splits {param} of a {name} layer along dim {dim}, "
                                 f"but the layer reads it in {user.target}, which a split "

@@ -49,7 +49,9 @@ def weight_param(graph: Graph, op: OpNode) -> str | None:
 def output_dim(graph: Graph, op: OpNode) -> int:
     """The dimension of the stored weight that indexes output features: 0 for nn.Linear's
     (out, in) (``aten.linear`` transposes it), 1 for a weight multiplied as stored (GPT-2's
-    Conv1D in ``addmm(bias, x, weight)``)."""
+    Conv1D in ``addmm(bias, x, weight)``); an einsum projection's is stated by its equation."""
+    if op.weight_out_dim is not None:
+        return op.weight_out_dim
     return 0 if _packet(op.target) == "linear" else 1
 
 
