@@ -14,20 +14,21 @@ import numpy as np
 import pytest
 
 import autopar
-from tests.fixtures.plain_models import make_convnet, make_gpt, make_vit
+from tests.fixtures.plain_models import make_convnet, make_einsum_gpt, make_gpt, make_vit
 
 from .harness import run_in_group, run_ranks, spawn_ranks
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH = 4, 4
-FACTORIES = {"gpt": make_gpt, "vit": make_vit, "convnet": make_convnet}
+FACTORIES = {"gpt": make_gpt, "vit": make_vit, "convnet": make_convnet,
+             "einsum_gpt": make_einsum_gpt}
 
 
 def _batches(name: str):
     import torch
 
     g = torch.Generator().manual_seed(5)
-    if name == "gpt":
+    if name.endswith("gpt"):
         return [(ids[:, :-1], ids[:, 1:]) for ids in
                 (torch.randint(0, 128, (BATCH, 33), generator=g) for _ in range(STEPS))]
     return [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 10, (BATCH,),
@@ -142,7 +143,35 @@ def _assert_equal(expected: tuple, got: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    return {name: spawn_ranks(_own_loop, 1, (1, name, None))[0] for name in FACTORIES}
+    return {name: spawn_ranks(_own_loop, 1, (1, name, None))[0] for name in FACTORIES
+            if name != "einsum_gpt"}
+
+
+# the einsum GPT's projections: (weight, stored dim its split runs along). Up and q/k/v are
+# column-parallel, split on their output index; o and down row-parallel, on their contracted
+# index, stored (out, in) for o and (in, out) for down, so the plan must say which dim
+_EINSUM_SPLITS = {"attn.w_q": 0, "attn.w_k": 0, "attn.w_v": 0, "attn.w_o": 1,
+                  "mlp.w_up": 0, "mlp.w_down": 0}
+
+
+@pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2))],
+                         ids=["tp2", "tp2xdp2"])
+def test_einsum_projections_split_by_tensor_parallelism_equal_one_process(devices, pins
+                                                                          ) -> None:
+    """Projections written ``torch.einsum("bsh,oh->bso", x, w)`` with bare parameters are
+    split as the solver priced them: the plan records the split dim of each weight, the layers
+    run from their graph on the shards, and training equals one process."""
+    plan = _plan("einsum_gpt", devices, pins)
+    assert plan.mesh["tp"] == 2
+    for i in range(4):
+        for weight, dim in _EINSUM_SPLITS.items():
+            assert plan.placements["params"][f"h.{i}.{weight}"] == f"Shard({dim})@tp"
+    want = spawn_ranks(_own_loop, 1, (1, "einsum_gpt", None))[0]
+    got = spawn_ranks(_own_loop, devices, (devices, "einsum_gpt", plan.to_dict()))[0]
+    _assert_equal(want, got)
+    held = {n: p for n, p in got[2].items() if n.startswith("h.") and p != "R"}
+    assert held == {f"h.{i}.{w}": f"S({d})" for i in range(4)
+                    for w, d in _EINSUM_SPLITS.items()}, held
 
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
