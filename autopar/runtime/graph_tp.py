@@ -1,6 +1,6 @@
 """Tensor parallelism for a layer as it is written: :class:`GraphParallel` splits the layer's
 parameters as the plan places them and runs the layer from its own exported graph, rewritten
-for this rank's shards (:mod:`autopar.runtime.graph_split`).
+for this rank's shards (:mod:`autopar.capture.layer_split`).
 
 Why a graph here and module styles elsewhere: DTensor's module styles keep the layer's Python
 code, and code written for whole tensors reads whole sizes (``B, T, C = x.size()`` then
