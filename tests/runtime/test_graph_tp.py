@@ -202,7 +202,7 @@ def test_a_convnet_planned_by_the_search_equals_one_process(single, devices, pin
     assert not plan.sequence_parallel  # a ConvNet has no sequence to split
 
 
-@pytest.mark.parametrize("name", ["gpt", "vit"])
+@pytest.mark.parametrize("name", ["gpt", "vit", "einsum_gpt"])
 @pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
                                           (4, dict(pp=2, tp=2, schedule="gpipe"))],
                          ids=["tp2", "tp2xdp2", "pp2xtp2"])
