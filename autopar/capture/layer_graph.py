@@ -48,12 +48,16 @@ def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
 
 def fused_parts(fused: dict[str, list[int]], params: dict[str, int], layer: str
                 ) -> dict[str, list[int]]:
-    """The fused parts (plan.yaml's ``placements.fused``, by module path) of the split
-    parameters a module owns directly, by parameter name relative to ``layer``."""
+    """The fused parts (plan.yaml's ``placements.fused``: by module path, the split parameters
+    it owns directly; by parameter name, an einsum projection's bare weight) by parameter name
+    relative to ``layer``."""
     out = {}
     for module_path, parts in fused.items():
         if module_path == layer or module_path.startswith(layer + "."):
             rel = module_path[len(layer) + 1:]
+            if rel in params:  # a parameter's own entry
+                out[rel] = list(parts)
+                continue
             for name in params:
                 if name.rpartition(".")[0] == rel:
                     out[name] = list(parts)
@@ -110,6 +114,10 @@ def linear_kinds(gm: fx.GraphModule, signature, params: dict[str, int],
                                 f"but the layer reads it in {user.target}, which a split "
                                 f"cannot follow; re-plan with constraints tp=1")
         if param in fused:
+            if node.users and kinds.get(node.name) not in ("col", "bias"):
+                raise PlanError(f"the plan cuts {param} of a {name} layer into fused parts "
+                                f"{list(fused[param])}, but splits it along its input "
+                                f"features (dim {dim}); re-plan with autopar compile")
             parts[node.name] = tuple(fused[param])
     return kinds, parts
 
