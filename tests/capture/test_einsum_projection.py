@@ -13,8 +13,15 @@ from autopar.capture.einsum_projection import Projection, einsum_flops, projecti
 from autopar.capture.layer_graph import check_layer_split
 from autopar.cost import load_cluster
 from autopar.ir import OpKind
+from autopar.plan import Plan
+from autopar.runtime.apply import check_tp_entries
 from autopar.search.sharding import node_options
-from tests.fixtures.plain_models import EinsumMlp, make_einsum_gpt
+from tests.fixtures.plain_models import (
+    EinsumMlp,
+    FusedEinsumAttention,
+    make_einsum_gpt,
+    make_fused_einsum_gpt,
+)
 
 
 @pytest.mark.parametrize("equation,expected", [
@@ -103,3 +110,27 @@ def test_a_hand_edited_split_of_an_einsum_weight_along_the_wrong_dim_is_refused(
     with pytest.raises(autopar.PlanError) as err:
         check_layer_split(layer, {"w_up": 1}, {}, 2, (x,), {})
     assert "\n" not in str(err.value) and "tp=1" in str(err.value)
+
+
+def test_a_fused_einsum_weight_is_recorded_and_checked_under_its_own_name() -> None:
+    """w_qkv shares its module with w_o: its parts are keyed by the parameter itself, checked
+    at load (parts tp splits whole) and against the model (parts add up to one of its dims)."""
+    model, example = make_fused_einsum_gpt()
+    plan = autopar.plan(model, example, devices=2, global_batch=4,
+                        constraints=dict(tp=2, precision="fp32"))
+    assert plan.placements["fused"]["h.0.attn.w_qkv"] == [64, 64, 64]
+    check_tp_entries(model, plan)  # as planned: accepted
+    edited = plan.to_dict()
+    edited["placements"]["fused"]["h.0.attn.w_qkv"] = [63, 64, 65]
+    with pytest.raises(autopar.PlanError, match="63 that tp=2 does not split whole"):
+        Plan.from_dict(edited)
+    edited["placements"]["fused"]["h.0.attn.w_qkv"] = [64, 64, 32]
+    with pytest.raises(autopar.PlanError, match=r"w_qkv is \[64, 192\]"):
+        check_tp_entries(model, Plan.from_dict(edited))
+
+
+def test_fused_parts_on_a_row_split_are_refused_before_any_run() -> None:
+    layer, x = FusedEinsumAttention(16, 2), torch.randn(2, 8, 16)
+    check_layer_split(layer, {"w_qkv": 1, "w_o": 1}, {"w_qkv": [16, 16, 16]}, 2, (x,), {})
+    with pytest.raises(autopar.PlanError, match="fused parts .* input features"):
+        check_layer_split(layer, {"w_qkv": 0}, {"w_qkv": [16, 16, 16]}, 2, (x,), {})
