@@ -8,6 +8,12 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from autopar.capture.einsum_projection import (
+    einsum_flops,
+    einsum_operands,
+    is_einsum,
+    node_projection,
+)
 from autopar.capture.op_costs import base_kind, op_bytes, op_flops, packet_name
 from autopar.ir.graph import Graph, GraphInput, OpKind, OpNode, ParamInfo, TensorMeta
 
@@ -121,6 +127,25 @@ def refine_kind(kind: OpKind, name: str, path: str, module_type: str, moe: set[s
     return kind
 
 
+def _einsum_facts(node: fx.Node, param_of_placeholder: dict[str, str], used_params: list[str]
+                  ) -> tuple[int | None, int | None]:
+    """(its weight's output dim when ``node`` is an einsum projection of one parameter read
+    by nothing else, else None; its exact FLOPs when the equation gives them)."""
+    equation, operands = einsum_operands(node)
+    if equation is None:
+        return None, None
+    shapes = [tuple(o.meta["val"].shape) for o in operands
+              if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+    flops = einsum_flops(equation, shapes) if len(shapes) == len(operands) else None
+    weight = operands[-1] if operands else None
+    if not isinstance(weight, fx.Node) or used_params != [param_of_placeholder.get(weight.name)]:
+        return None, flops  # no parameter, or one reached through a view, or two
+    if len(weight.users) != 1:  # one tensor, one layout: a weight read twice stays whole
+        return None, flops
+    proj = node_projection(node, weight)
+    return (proj.out_dim if proj else None), flops
+
+
 def fx_graph_to_ir(
     graph: fx.Graph,
     param_of_placeholder: dict[str, str],
@@ -177,6 +202,11 @@ def fx_graph_to_ir(
         if name == "contiguous" and args and _fused_attention_layout(ops_by_name, args[0].name,
                                                                      outs[0]):
             kind = OpKind.VIEW  # the fused kernel's output is already laid out this way
+        weight_out_dim, flops = None, None
+        if is_einsum(node):  # a projection is a linear; any other einsum with a weight is not
+            weight_out_dim, flops = _einsum_facts(node, param_of_placeholder, used_params)
+            if used_params:
+                kind = OpKind.LINEAR if weight_out_dim is not None else OpKind.MATMUL
         path, module_type = _module_info(node)
         kind = refine_kind(kind, name, path, module_type, moe)
         if kind is OpKind.VIEW and used_params and len(args) == 1:
@@ -185,9 +215,10 @@ def fx_graph_to_ir(
         ops_by_name[node.name] = OpNode(
             name=node.name, target=target, kind=kind,
             inputs=[a.name for a in args if a.name not in stateful],
-            input_meta=ins, output_meta=outs, flops=op_flops(target, kind, ins, outs),
+            input_meta=ins, output_meta=outs,
+            flops=op_flops(target, kind, ins, outs) if flops is None else flops,
             bytes_read=rd, bytes_written=wr, params=used_params,
-            module_path=path, module_type=module_type,
+            module_path=path, module_type=module_type, weight_out_dim=weight_out_dim,
         )
         ops.append(ops_by_name[node.name])
     return Graph(ops, inputs, params, buffers, outputs, source, model_config)

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from autopar.capture.einsum_projection import node_projection
 from autopar.capture.layer_split import Collectives, Refused, split_graph
 from autopar.errors import PlanError
 
@@ -47,12 +48,16 @@ def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
 
 def fused_parts(fused: dict[str, list[int]], params: dict[str, int], layer: str
                 ) -> dict[str, list[int]]:
-    """The fused parts (plan.yaml's ``placements.fused``, by module path) of the split
-    parameters a module owns directly, by parameter name relative to ``layer``."""
+    """The fused parts (plan.yaml's ``placements.fused``: by module path, the split parameters
+    it owns directly; by parameter name, an einsum projection's bare weight) by parameter name
+    relative to ``layer``."""
     out = {}
     for module_path, parts in fused.items():
         if module_path == layer or module_path.startswith(layer + "."):
             rel = module_path[len(layer) + 1:]
+            if rel in params:  # a parameter's own entry
+                out[rel] = list(parts)
+                continue
             for name in params:
                 if name.rpartition(".")[0] == rel:
                     out[name] = list(parts)
@@ -85,7 +90,8 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 def linear_kinds(gm: fx.GraphModule, signature, params: dict[str, int],
                  fused: dict[str, list[int]], name: str):
     """(placeholder -> "col" | "row" | "bias", placeholder -> fused parts) for the split
-    parameters, by the op that reads each; a split the graph uses otherwise is refused."""
+    parameters, by the op that reads each (a linear, or an einsum projection split on its
+    output or contracted index); a split the graph uses otherwise is refused."""
     by_target = {s.target: s.arg.name for s in signature.input_specs
                  if s.kind == InputKind.PARAMETER}
     nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -100,11 +106,18 @@ def linear_kinds(gm: fx.GraphModule, signature, params: dict[str, int],
                 kinds[node.name] = "col" if dim == 0 else "row"
             elif linear and len(user.args) > 2 and user.args[2] is node and dim == 0:
                 kinds.setdefault(node.name, "bias")
+            elif (proj := node_projection(user, node)) is not None and \
+                    dim in (proj.out_dim, proj.contracted_dim):
+                kinds[node.name] = "col" if dim == proj.out_dim else "row"
             else:
                 raise PlanError(f"the plan splits {param} of a {name} layer along dim {dim}, "
                                 f"but the layer reads it in {user.target}, which a split "
                                 f"cannot follow; re-plan with constraints tp=1")
         if param in fused:
+            if node.users and kinds.get(node.name) not in ("col", "bias"):
+                raise PlanError(f"the plan cuts {param} of a {name} layer into fused parts "
+                                f"{list(fused[param])}, but splits it along its input "
+                                f"features (dim {dim}); re-plan with autopar compile")
             parts[node.name] = tuple(fused[param])
     return kinds, parts
 

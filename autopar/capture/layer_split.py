@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
+from autopar.capture.einsum_projection import einsum_operands, is_einsum
+
 aten = torch.ops.aten
 
 
@@ -152,6 +154,8 @@ def _rule(node, state, kinds, parts, tp, graph, copied):  # noqa: C901 - one tab
     split_in = [a for a in inputs if state.get(a) is not None]
     if target is aten.linear.default:
         return _linear(node, state, kinds, parts, graph, copied)
+    if is_einsum(node):
+        return _einsum(node, state, kinds, parts, graph, copied)
     if target is operator.getitem:
         src = state.get(args[0])
         if isinstance(src, Split):  # one output of a multi-output op on a split tensor
@@ -248,28 +252,65 @@ def _linear(node, state, kinds, parts, graph, copied):
             raise Refused("a whole linear on a split input")
         return None
     if kind == "col":
-        if xs is not None:
-            raise Refused("a column-parallel linear on a split input")
-        node.replace_input_with(x, copied(x, node))
-        ndim = len(_shape(node))
-        fused = parts.get(w.name)
-        if fused and len(set(fused)) == 1:
-            return Split(ndim - 1, prefix=len(fused), factor=fused[0])
-        if fused:
-            return Split(ndim - 1, parts=tuple(fused))
-        return Split(ndim - 1, factor=_shape(node)[-1])
+        return _column(node, x, w, xs, parts, copied)
+    _check_row_input(x, xs)
+    node.args = (x, w)
+    out = _summed(node, graph)
+    if bias is not None:
+        with graph.inserting_after(out):
+            added = graph.call_function(aten.add.Tensor, (out, bias))
+        out.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
+    return None
+
+
+def _einsum(node, state, kinds, parts, graph, copied):
+    """An einsum projection (input, split weight) runs on the local shard as written: the
+    local weight's sizes give the local output (column) or the partial sum (row). Whole
+    einsums pass whole tensors only."""
+    _, operands = einsum_operands(node)
+    split = [o for o in operands if isinstance(o, fx.Node) and kinds.get(o.name)]
+    if not split:
+        if any(state.get(o) is not None for o in operands if isinstance(o, fx.Node)):
+            raise Refused("an einsum on a split tensor that is not a projection of a split "
+                          "weight")
+        return None
+    # layer_graph.linear_kinds admits only (input, weight) projections split on one index
+    x, w = operands
+    xs = state.get(x)
+    if kinds[w.name] == "col":
+        return _column(node, x, w, xs, parts, copied)
+    _check_row_input(x, xs)
+    _summed(node, graph)
+    return None
+
+
+def _column(node, x, w, xs, parts, copied):
+    """A column-parallel projection: the whole input enters (its gradient summed over tp)
+    and the output's features are split, part by part when fused."""
+    if xs is not None:
+        raise Refused("a column-parallel linear on a split input")
+    node.replace_input_with(x, copied(x, node))
+    ndim = len(_shape(node))
+    fused = parts.get(w.name)
+    if fused and len(set(fused)) == 1:
+        return Split(ndim - 1, prefix=len(fused), factor=fused[0])
+    if fused:
+        return Split(ndim - 1, parts=tuple(fused))
+    return Split(ndim - 1, factor=_shape(node)[-1])
+
+
+def _check_row_input(x, xs) -> None:
     # row: the input's features split in contiguous blocks, as the weight's columns are
     if xs is None or xs.parts is not None or xs.prefix != 1 or xs.dim != len(_shape(x)) - 1:
         raise Refused("a row-parallel linear whose input is not split along its features")
-    node.args = (x, w)
+
+
+def _summed(node, graph) -> fx.Node:
+    """The row-parallel partial output summed over tp, in place of ``node`` for its users."""
     with graph.inserting_after(node):
         summed = graph.call_module("tp_reduce", (node,))
-    out = summed
-    if bias is not None:
-        with graph.inserting_after(summed):
-            out = graph.call_function(aten.add.Tensor, (summed, bias))
-    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not summed)
-    return None
+    node.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not summed)
+    return summed
 
 
 def _slice(node, args, first, tp):

@@ -97,6 +97,9 @@ class OpNode:
     module_path: str = ""  # e.g. "model.layers.3.self_attn.q_proj"
     module_type: str = ""  # class name of the innermost module
     block: int = -1  # index into Graph.blocks
+    # an einsum projection (a LINEAR op not stored as nn.Linear's (out, in)): the dimension of
+    # its weight that indexes output features (autopar.capture.einsum_projection)
+    weight_out_dim: int | None = None
 
     @property
     def output_bytes(self) -> int:

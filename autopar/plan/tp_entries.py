@@ -47,7 +47,8 @@ def validate_tp_entries(placements: dict, tp: int, where: str = "plan") -> None:
         if not _positive_ints(parts):
             raise PlanError(f"{where}: placements.fused[{path}] is {parts!r}, not a list of "
                             f"positive part widths; {FIX}")
-        own = module_params(params, path)
+        # an einsum projection's entry names its weight itself
+        own = {path: params[path]} if path in params else module_params(params, path)
         if not own:
             raise PlanError(f"{where}: placements.fused names {path}, whose weight "
                             f"placements.params does not place; {FIX}")

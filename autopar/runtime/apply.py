@@ -44,9 +44,16 @@ def check_tp_entries(model: nn.Module, plan: Plan) -> None:
     must name an attention module of the model whose head counts and widths it agrees with.
     Otherwise tensor parallelism cuts the wrong rows and every rank fails inside the model."""
     modules = dict(model.named_modules())
+    weights = dict(model.named_parameters())
     fused = plan.placements.get("fused") or {}
     for path, parts in fused.items():
         module = modules.get(path)
+        if path in weights:  # an einsum projection's bare weight: one of its dims is the output
+            if sum(parts) not in weights[path].shape:
+                raise PlanError(f"the plan's placements.fused[{path}] {parts} adds up to "
+                                f"{sum(parts)}, but the model's {path} is "
+                                f"{list(weights[path].shape)}; {FIX}")
+            continue
         if module is None:
             raise PlanError(f"the plan's placements.fused names {path}, which the model does "
                             f"not have; {FIX}")

@@ -1,6 +1,6 @@
 """Tensor parallelism for a layer as it is written: :class:`GraphParallel` splits the layer's
 parameters as the plan places them and runs the layer from its own exported graph, rewritten
-for this rank's shards (:mod:`autopar.runtime.graph_split`).
+for this rank's shards (:mod:`autopar.capture.layer_split`).
 
 Why a graph here and module styles elsewhere: DTensor's module styles keep the layer's Python
 code, and code written for whole tensors reads whole sizes (``B, T, C = x.size()`` then
@@ -74,11 +74,10 @@ class GraphParallel(ParallelStyle):
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
             parts = self.fused.get(name)
-            if parts:
-                if dim != 0:
-                    raise PlanError(f"fused parts of {name} split along dim {dim}; re-plan")
+            if parts:  # a column split (layer_graph.linear_kinds refuses parts on others):
+                # along the weight's output dim, 1 for an einsum weight stored (in, out)
                 rows = getattr(owner, FUSED_ATTR, {})
-                rows[leaf] = (0, fused_index(parts, tp))
+                rows[leaf] = (dim, fused_index(parts, tp))
                 setattr(owner, FUSED_ATTR, rows)
             _distribute(owner, leaf, device_mesh, Shard(dim), None)
         for name, param in list(module.named_parameters()):

@@ -8,7 +8,9 @@ Three facts the runtime cannot guess are recorded beside the per-parameter place
   lists the parts' sizes. Each rank must hold its share of every part (its own q, k and v
   heads), not a contiguous block of the fused output. A projection whose output is first viewed
   as heads (GPT-NeoX, Falcon's grouped layout) interleaves its parts per head, so a contiguous
-  split already gives whole heads and nothing is recorded.
+  split already gives whole heads and nothing is recorded. An einsum projection's weight is a
+  bare parameter beside others of its module (``w_qkv`` next to ``w_o``), so its entry is
+  keyed by the parameter's own name, not the module's.
 * ``heads``: per attention module, its query heads, key/value heads and head size, so that a
   module whose code reads its head counts (Phi-3 slices ``qkv`` at ``num_heads * head_dim``,
   GPT-2 splits at ``split_size``) can be given the counts of its local heads.
@@ -49,7 +51,9 @@ def weight_param(graph: Graph, op: OpNode) -> str | None:
 def output_dim(graph: Graph, op: OpNode) -> int:
     """The dimension of the stored weight that indexes output features: 0 for nn.Linear's
     (out, in) (``aten.linear`` transposes it), 1 for a weight multiplied as stored (GPT-2's
-    Conv1D in ``addmm(bias, x, weight)``)."""
+    Conv1D in ``addmm(bias, x, weight)``); an einsum projection's is stated by its equation."""
+    if op.weight_out_dim is not None:
+        return op.weight_out_dim
     return 0 if _packet(op.target) == "linear" else 1
 
 
@@ -162,7 +166,8 @@ def placements(graph: Graph, config: ParallelConfig) -> dict:
             weight = weight_param(graph, op) if op.kind is OpKind.LINEAR else None
             parts = fused_segments(graph, name) if tp and weight else None
             if parts:  # a model fact, recorded whatever this layout splits
-                fused[weight.rsplit(".", 1)[0]] = parts
+                fused[weight if op.weight_out_dim is not None else
+                      weight.rsplit(".", 1)[0]] = parts
             for p, w in where.items():
                 if params.get(p, "Replicate") == "Replicate":
                     params[p] = w + zero if w != "Replicate" or not zero else "Shard(0)@dp"

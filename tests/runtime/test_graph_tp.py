@@ -14,20 +14,27 @@ import numpy as np
 import pytest
 
 import autopar
-from tests.fixtures.plain_models import make_convnet, make_gpt, make_vit
+from tests.fixtures.plain_models import (
+    make_convnet,
+    make_einsum_gpt,
+    make_fused_einsum_gpt,
+    make_gpt,
+    make_vit,
+)
 
 from .harness import run_in_group, run_ranks, spawn_ranks
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH = 4, 4
-FACTORIES = {"gpt": make_gpt, "vit": make_vit, "convnet": make_convnet}
+FACTORIES = {"gpt": make_gpt, "vit": make_vit, "convnet": make_convnet,
+             "einsum_gpt": make_einsum_gpt, "fused_einsum_gpt": make_fused_einsum_gpt}
 
 
 def _batches(name: str):
     import torch
 
     g = torch.Generator().manual_seed(5)
-    if name == "gpt":
+    if name.endswith("gpt"):
         return [(ids[:, :-1], ids[:, 1:]) for ids in
                 (torch.randint(0, 128, (BATCH, 33), generator=g) for _ in range(STEPS))]
     return [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 10, (BATCH,),
@@ -142,7 +149,43 @@ def _assert_equal(expected: tuple, got: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    return {name: spawn_ranks(_own_loop, 1, (1, name, None))[0] for name in FACTORIES}
+    return {name: spawn_ranks(_own_loop, 1, (1, name, None))[0] for name in FACTORIES
+            if "einsum" not in name}
+
+
+# the einsum GPTs' projections: (weight, stored dim its split runs along). Up and q/k/v are
+# column-parallel, split on their output index; o and down row-parallel, on their contracted
+# index; w_o is stored (out, in), w_down and the fused w_qkv (in, out), so the plan must say
+# which dim
+_EINSUM_SPLITS = {"attn.w_q": 0, "attn.w_k": 0, "attn.w_v": 0, "attn.w_o": 1,
+                  "mlp.w_up": 0, "mlp.w_down": 0}
+_FUSED_EINSUM_SPLITS = {"attn.w_qkv": 1, "attn.w_o": 1, "mlp.w_up": 0, "mlp.w_down": 0}
+
+
+@pytest.mark.parametrize("name,splits", [("einsum_gpt", _EINSUM_SPLITS),
+                                         ("fused_einsum_gpt", _FUSED_EINSUM_SPLITS)],
+                         ids=["einsum", "fused-einsum"])
+@pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2))],
+                         ids=["tp2", "tp2xdp2"])
+def test_einsum_projections_split_by_tensor_parallelism_equal_one_process(
+        name, splits, devices, pins) -> None:
+    """Projections written ``torch.einsum("bsh,oh->bso", x, w)`` with bare parameters are
+    split as the solver priced them: the plan records the split dim of each weight (a fused
+    one's parts under its own name), the layers run from their graph on the shards, and
+    training equals one process."""
+    plan = _plan(name, devices, pins)
+    assert plan.mesh["tp"] == 2
+    for i in range(4):
+        for weight, dim in splits.items():
+            assert plan.placements["params"][f"h.{i}.{weight}"] == f"Shard({dim})@tp"
+    fused = {f"h.{i}.attn.w_qkv": [64, 64, 64] for i in range(4)} if "attn.w_qkv" in splits \
+        else {}
+    assert plan.placements["fused"] == fused
+    want = spawn_ranks(_own_loop, 1, (1, name, None))[0]
+    got = spawn_ranks(_own_loop, devices, (devices, name, plan.to_dict()))[0]
+    _assert_equal(want, got)
+    held = {n: p for n, p in got[2].items() if n.startswith("h.") and p != "R"}
+    assert held == {f"h.{i}.{w}": f"S({d})" for i in range(4) for w, d in splits.items()}, held
 
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
@@ -173,7 +216,7 @@ def test_a_convnet_planned_by_the_search_equals_one_process(single, devices, pin
     assert not plan.sequence_parallel  # a ConvNet has no sequence to split
 
 
-@pytest.mark.parametrize("name", ["gpt", "vit"])
+@pytest.mark.parametrize("name", ["gpt", "vit", "einsum_gpt"])
 @pytest.mark.parametrize("devices,pins", [(2, dict(tp=2)), (4, dict(tp=2, dp=2)),
                                           (4, dict(pp=2, tp=2, schedule="gpipe"))],
                          ids=["tp2", "tp2xdp2", "pp2xtp2"])
