@@ -1,0 +1,198 @@
+"""The kill test (issue 26): SIGINT or SIGKILL at random moments of ``autopar compile`` (a
+re-compile into an artifact that has checkpoints and logs), ``autopar run`` (saving a
+checkpoint every step) and ``autopar export --to hf``. After every kill the artifact loads
+whole (the old plan or the new one, never a mix), ``latest`` names a complete checkpoint that
+``autopar run --resume`` accepts, ``checkpoints/`` and ``logs/`` are there, and the export
+folder is absent or complete.
+
+``AUTOPAR_KILL_TRIALS`` sets the number of trials (default 6, for CI), ``AUTOPAR_KILL_SEED``
+the seed of the kill moments, and ``AUTOPAR_KILL_REPORT`` a file for the tally (JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from autopar.codegen import load_artifact
+from autopar.codegen.artifact_swap import GENERATED, NEW_PREFIX
+from autopar.runtime.checkpoint import latest_checkpoint
+
+from .test_inspect import cli_here
+
+TRIALS = int(os.environ.get("AUTOPAR_KILL_TRIALS", "6"))
+SEED = int(os.environ.get("AUTOPAR_KILL_SEED", "26"))
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = ("compile", "run", "export")
+# two plans of the same model the re-compiles alternate between (the checkpoints fit both)
+PLAN_ARGS = {"a": ("--seq", "16"), "b": ("--seq", "32")}
+# after the command's own work is seen starting, the signal follows within this many seconds:
+# a re-compile's swap and an export's writes take milliseconds, a checkpoint save tens
+TARGET_WINDOW_S = {"compile": 0.05, "run": 0.25, "export": 0.05}
+ANYTIME_S = 12.0  # "anytime" kills land anywhere in a command's life, imports included
+
+
+def _compile_args(out: Path, plan: str) -> list[str]:
+    return ["compile", "tiny-llama", "--devices", "1", "--cluster", "cpu", "--global-batch",
+            "2", *PLAN_ARGS[plan], "--out", str(out), "-q"]
+
+
+def _generated(directory: Path) -> dict[str, bytes]:
+    return {n: (directory / n).read_bytes() for n in GENERATED if (directory / n).is_file()}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict:
+    """An artifact with checkpoints and logs, and the generated files of both plans."""
+    root = tmp_path_factory.mktemp("kill")
+    refs = {}
+    for plan in PLAN_ARGS:
+        made = cli_here(*_compile_args(root / f"ref-{plan}", plan))
+        assert made.returncode == 0, made.stderr
+        refs[plan] = _generated(root / f"ref-{plan}")
+    art = root / "art"
+    made = cli_here(*_compile_args(art, "a"))
+    assert made.returncode == 0, made.stderr
+    ran = cli_here("run", str(art), "--device", "cpu", "-q", "--steps", "2",
+                   "--checkpoint-every", "1")
+    assert ran.returncode == 0, ran.stderr
+    return {"art": art, "out": root / "hf", "refs": refs}
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    """``python -m autopar ARGS`` from this checkout, in a process group of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.Popen([sys.executable, "-m", "autopar", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _work_marks(command: str, art: Path, out: Path) -> set[tuple[str, int]]:
+    """(name, inode) of what ``command``'s own work (not its imports) creates: the re-compile's
+    new files, a checkpoint being saved, the export's folder being written. A mark not there
+    before the command started says its work has begun (an earlier kill's leftovers do not)."""
+    if command == "compile":
+        found = [e for e in os.scandir(art) if e.name.startswith(NEW_PREFIX)]
+    elif command == "run":
+        found = [e for e in os.scandir(art / "checkpoints") if e.name.endswith(".partial")]
+    else:
+        found = [e for e in os.scandir(out.parent) if e.name == out.name + ".partial"]
+    marks = set()
+    for entry in found:
+        with contextlib.suppress(FileNotFoundError):
+            marks.add((entry.name, entry.inode()))
+    return marks
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """Kill what is left of the job's process group and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    job.stderr.close()
+
+
+def _leftover_processes(pgid: int) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc)
+    return out
+
+
+def _kill_once(command: str, args: list[str], art: Path, out: Path, rng: random.Random,
+               tally: Counter) -> None:
+    """Start ``command``, send it SIGINT or SIGKILL at a random moment, wait for it to end."""
+    sig = rng.choice((signal.SIGINT, signal.SIGKILL))
+    targeted = rng.random() < 0.75
+    delay = rng.uniform(0, TARGET_WINDOW_S[command] if targeted else ANYTIME_S)
+    before = _work_marks(command, art, out)
+    job = _spawn(args)
+    try:
+        deadline = time.monotonic() + 120
+        if targeted:
+            while not _work_marks(command, art, out) - before and job.poll() is None:
+                assert time.monotonic() < deadline, f"{command} did not start within 120 s"
+                time.sleep(0.0005)
+        time.sleep(delay)
+        if job.poll() is not None:
+            tally[f"{command} finished before the signal"] += 1
+            assert job.returncode == 0, job.stderr.read().decode()[-2000:]
+            return
+        os.killpg(job.pid, sig)
+        tally[f"{command} {signal.Signals(sig).name} {'at work' if targeted else 'anytime'}"] += 1
+        if command == "run" and _work_marks(command, art, out) - before:
+            tally["run killed with a checkpoint half-written"] += 1
+        try:
+            job.wait(timeout=60)  # SIGINT: the command ends on its own
+        except subprocess.TimeoutExpired:
+            tally[f"{command} ignored SIGINT for 60 s"] += 1
+    finally:
+        _stop(job)
+    assert not _leftover_processes(job.pid), f"{command} left processes behind"
+
+
+def _check_survivors(art: Path, out: Path, refs: dict, least_step: int) -> int:
+    """What must hold after any kill; returns the step ``latest`` names."""
+    manifest, plan = load_artifact(art)  # puts back the previous artifact of a cut swap
+    files = _generated(art)
+    assert files in list(refs.values()), "the artifact mixes two compiles' files"
+    assert (art / "logs").is_dir() and (art / "checkpoints").is_dir()
+    ckpt = latest_checkpoint(art / "checkpoints")
+    assert ckpt is not None, f"latest names no complete checkpoint: {sorted(os.listdir(art / 'checkpoints'))}"
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    assert step >= least_step, f"latest went back from step {least_step} to {step}"
+    if out.exists():  # whole: transformers loads it, every weight there
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(out))
+        assert sum(p.numel() for p in model.parameters()) == 217_664
+    resumed = cli_here("run", str(art), "--device", "cpu", "-q", "--steps", "1", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    return step + 1  # the resume saved one more
+
+
+def test_killed_commands_lose_nothing(workspace) -> None:
+    art, out, refs = workspace["art"], workspace["out"], workspace["refs"]
+    rng = random.Random(SEED)
+    tally: Counter = Counter()
+    step = latest_checkpoint(art / "checkpoints")
+    least = json.loads((step / "meta.json").read_text())["step"]
+    started = time.monotonic()
+    for trial in range(TRIALS):
+        command = COMMANDS[trial % len(COMMANDS)]
+        if command == "compile":
+            current = next(k for k, v in refs.items() if v == _generated(art))
+            args = _compile_args(art, "b" if current == "a" else "a")
+        elif command == "run":
+            # a resumed run, or (a third of the time) a new one replacing same-step checkpoints
+            again = ("--overwrite",) if rng.random() < 1 / 3 else ("--resume",)
+            args = ["run", str(art), "--device", "cpu", "-q", "--steps", "100000",
+                    "--checkpoint-every", "1", "--keep-last", "3", *again]
+            if again == ("--overwrite",):
+                least = 0  # asked for: the new run's step 1 replaces the old one
+        else:
+            shutil.rmtree(out, ignore_errors=True)  # each export starts without the folder
+            args = ["export", str(art), "--to", "hf", str(out)]
+        _kill_once(command, args, art, out, rng, tally)
+        least = _check_survivors(art, out, refs, least)
+    report = {"trials": TRIALS, "seed": SEED, "seconds": round(time.monotonic() - started),
+              "outcomes": dict(sorted(tally.items()))}
+    print(json.dumps(report, indent=2))
+    if os.environ.get("AUTOPAR_KILL_REPORT"):
+        Path(os.environ["AUTOPAR_KILL_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
+    assert sum(tally.values()) >= TRIALS
