@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -196,3 +197,89 @@ def test_killed_commands_lose_nothing(workspace) -> None:
     if os.environ.get("AUTOPAR_KILL_REPORT"):
         Path(os.environ["AUTOPAR_KILL_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
     assert sum(tally.values()) >= TRIALS
+
+
+# --- a kill at every step ---------------------------------------------------------------
+# Random kill moments rarely land inside the few renames of a swap; these kills do, at each
+# file-system change in turn, of the swap and then of the roll-back that undoes it.
+
+_MUTATIONS = ("replace", "rename", "unlink", "rmdir", "mkdir")
+
+
+def _killed_after(changes: int, action) -> bool:
+    """Run ``action`` in a forked child that SIGKILLs itself before its file-system change
+    number ``changes`` (0-based); True when it was killed, False when it finished first."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            count = [0]
+
+            def counted(real):
+                def change(*args, **kwargs):
+                    if count[0] == changes:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    count[0] += 1
+                    return real(*args, **kwargs)
+                return change
+
+            for name in _MUTATIONS:
+                setattr(os, name, counted(getattr(os, name)))
+            action()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def _user_files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name not in GENERATED}
+
+
+@pytest.fixture(scope="module")
+def two_plans(tmp_path_factory) -> tuple:
+    """A tiny model, two plans of it, and the generated files each compiles to."""
+    import autopar
+    from autopar.models import GPT, GPTConfig, token_inputs
+
+    model = GPT(GPTConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64, seq_len=16))
+    graph = autopar.capture(model, token_inputs(1, 16))
+    one = autopar.plan(graph, devices=1, global_batch=2)
+    two = autopar.plan(graph, devices=2, global_batch=2, constraints={"dp": 2})
+    root = tmp_path_factory.mktemp("refs")
+    refs = []
+    for i, plan in enumerate((one, two)):
+        autopar.compile(model, None, plan, root / str(i))
+        refs.append(_generated(root / str(i)))
+    return model, one, two, refs
+
+
+def test_a_recompile_killed_at_any_step_and_its_recovery_killed_at_any_step_lose_nothing(
+        two_plans, tmp_path) -> None:
+    import autopar
+    from autopar.codegen.artifact_swap import recover
+
+    model, one, two, refs = two_plans
+    tried = 0
+    for swap_step in range(100):
+        out = tmp_path / f"art{swap_step}"
+        autopar.compile(model, None, one, out)
+        (out / "checkpoints" / "step_000001").mkdir(parents=True)
+        (out / "checkpoints" / "step_000001" / "meta.json").write_text("{}")
+        (out / "checkpoints" / "latest").write_text("step_000001")
+        (out / "logs").mkdir()
+        (out / "logs" / "train.jsonl").write_text('{"step": 0}\n')
+        before = _user_files(out)
+        if not _killed_after(swap_step, partial(autopar.compile, model, None, two, out)):
+            break  # the compile made fewer changes than this: every step was cut
+        for recover_step in range(100):  # the next reader's recovery, killed in turn
+            if not _killed_after(recover_step, partial(recover, out, drop_unfinished=True)):
+                break
+            tried += 1
+        load_artifact(out)
+        assert _generated(out) in refs, f"a mixed artifact after a kill at change {swap_step}"
+        assert _user_files(out) == before
+        autopar.compile(model, None, two, out)  # and the next compile goes through
+        assert _generated(out) == refs[1]
+        shutil.rmtree(out)
+    assert swap_step > 5 and tried > 0
