@@ -283,3 +283,38 @@ def test_a_recompile_killed_at_any_step_and_its_recovery_killed_at_any_step_lose
         assert _generated(out) == refs[1]
         shutil.rmtree(out)
     assert swap_step > 5 and tried > 0
+
+
+def test_a_checkpoint_save_killed_at_any_step_keeps_the_one_latest_names(tmp_path) -> None:
+    """The hardest save: one of the step ``latest`` names already exists (an --overwrite
+    run) and --keep-last prunes; killed before each of its changes, a complete checkpoint of
+    that step stays where ``latest`` finds it, and loads."""
+    import autopar
+    from autopar.codegen.program import generated_program
+    from autopar.models import GPT, GPTConfig, token_inputs
+    from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from autopar.runtime.source import describe_source
+    from autopar.runtime.trainer import Trainer
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2))
+    plan = autopar.plan(autopar.capture(model, token_inputs(1, 16)), devices=1, global_batch=2)
+    source = describe_source(model)
+    trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu")
+    base = tmp_path / "base"
+    for step in (1, 2):
+        trainer.step_index = step
+        save_checkpoint(trainer, base)
+    killed = 0
+    for change in range(100):
+        root = tmp_path / f"ckpt{change}"
+        shutil.copytree(base, root)
+        if not _killed_after(change, partial(save_checkpoint, trainer, root, keep_last=1)):
+            break
+        killed += 1
+        ckpt = latest_checkpoint(root)
+        assert ckpt is not None, f"latest lost after a kill at change {change}: " \
+                                 f"{sorted(os.listdir(root))}"
+        assert json.loads((ckpt / "meta.json").read_text())["step"] == 2
+        assert load_checkpoint(trainer, root) == 2
+        shutil.rmtree(root)
+    assert killed > 3
