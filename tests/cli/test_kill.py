@@ -318,3 +318,74 @@ def test_a_checkpoint_save_killed_at_any_step_keeps_the_one_latest_names(tmp_pat
         assert load_checkpoint(trainer, root) == 2
         shutil.rmtree(root)
     assert killed > 3
+
+
+# --- two processes under torchrun ---------------------------------------------------------
+
+DIST_TRIALS = int(os.environ.get("AUTOPAR_KILL_DIST_TRIALS", "0"))  # each takes ~40 s
+
+
+def _torchrun(art: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "-m", "autopar", "run", str(art), "--device", "cpu", "-q", *args]
+
+
+def _job_processes(job: subprocess.Popen) -> list[psutil.Process]:
+    """torchrun and its workers (which torchelastic starts in sessions of their own)."""
+    with contextlib.suppress(psutil.Error):
+        top = psutil.Process(job.pid)
+        return [top, *top.children(recursive=True)]
+    return []
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(DIST_TRIALS == 0, reason="set AUTOPAR_KILL_DIST_TRIALS to run it")
+def test_a_killed_two_process_run_keeps_its_last_checkpoint(tmp_path) -> None:
+    """SIGINT to torchrun (what Ctrl-C sends) or SIGKILL to every process of the job, while
+    both ranks save a checkpoint every step: the last complete one resumes under torchrun."""
+    art = tmp_path / "art"
+    made = cli_here("compile", "tiny-llama", "--devices", "2", "--cluster", "cpu", "--seq", "16",
+                    "--global-batch", "2", "--constraints", "dp=2", "--out", str(art), "-q")
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    first = subprocess.run(_torchrun(art, "--steps", "1"), env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    rng = random.Random(SEED)
+    least = 1
+    for _ in range(DIST_TRIALS):
+        sig = rng.choice((signal.SIGINT, signal.SIGKILL))
+        before = _work_marks("run", art, art)
+        job = subprocess.Popen(_torchrun(art, "--steps", "100000", "--checkpoint-every", "1",
+                                         "--resume"), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        seen: dict[int, psutil.Process] = {}
+        try:
+            deadline = time.monotonic() + 240
+            while not _work_marks("run", art, art) - before:
+                assert job.poll() is None and time.monotonic() < deadline, "no save began"
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0, TARGET_WINDOW_S["run"]))
+            seen.update((p.pid, p) for p in _job_processes(job))
+            targets = [seen[job.pid]] if sig == signal.SIGINT else list(seen.values())
+            for proc in targets:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=90)
+        finally:
+            seen.update((p.pid, p) for p in _job_processes(job))
+            for proc in seen.values():
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            job.wait(timeout=30)
+        assert not [p for p in seen.values() if p.is_running() and p.status() != "zombie"]
+        ckpt = latest_checkpoint(art / "checkpoints")
+        assert ckpt is not None and (art / "logs").is_dir()
+        step = json.loads((ckpt / "meta.json").read_text())["step"]
+        assert step >= least
+        resumed = subprocess.run(_torchrun(art, "--steps", "1", "--resume"), env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        least = step + 1
