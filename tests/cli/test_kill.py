@@ -147,16 +147,21 @@ def _kill_once(command: str, args: list[str], art: Path, out: Path, rng: random.
     assert not _leftover_processes(job.pid), f"{command} left processes behind"
 
 
-def _check_survivors(art: Path, out: Path, refs: dict, least_step: int) -> int:
-    """What must hold after any kill; returns the step ``latest`` names."""
-    manifest, plan = load_artifact(art)  # puts back the previous artifact of a cut swap
+def _check_survivors(art: Path, out: Path, refs: dict, least_step: int, exported: bool) -> int:
+    """What must hold after any kill (``exported``: of an export); returns the least step
+    ``latest`` may name from now on."""
+    load_artifact(art)  # puts back the previous artifact of a cut swap
     files = _generated(art)
     assert files in list(refs.values()), "the artifact mixes two compiles' files"
     assert (art / "logs").is_dir() and (art / "checkpoints").is_dir()
     ckpt = latest_checkpoint(art / "checkpoints")
-    assert ckpt is not None, f"latest names no complete checkpoint: {sorted(os.listdir(art / 'checkpoints'))}"
+    assert ckpt is not None, \
+        f"latest names no complete checkpoint: {sorted(os.listdir(art / 'checkpoints'))}"
     step = json.loads((ckpt / "meta.json").read_text())["step"]
     assert step >= least_step, f"latest went back from step {least_step} to {step}"
+    if exported and not out.exists():  # a killed export's leftovers mislead no later one
+        again = cli_here("export", str(art), "--to", "hf", str(out))
+        assert again.returncode == 0, again.stderr
     if out.exists():  # whole: transformers loads it, every weight there
         from transformers import AutoModelForCausalLM
 
@@ -190,13 +195,14 @@ def test_killed_commands_lose_nothing(workspace) -> None:
             shutil.rmtree(out, ignore_errors=True)  # each export starts without the folder
             args = ["export", str(art), "--to", "hf", str(out)]
         _kill_once(command, args, art, out, rng, tally)
-        least = _check_survivors(art, out, refs, least)
+        least = _check_survivors(art, out, refs, least, exported=command == "export")
     report = {"trials": TRIALS, "seed": SEED, "seconds": round(time.monotonic() - started),
               "outcomes": dict(sorted(tally.items()))}
     print(json.dumps(report, indent=2))
     if os.environ.get("AUTOPAR_KILL_REPORT"):
         Path(os.environ["AUTOPAR_KILL_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
-    assert sum(tally.values()) >= TRIALS
+    killed = sum(n for k, n in tally.items() if " SIG" in k)
+    assert killed >= TRIALS // 2, f"too few commands were killed: {tally}"
 
 
 # --- a kill at every step ---------------------------------------------------------------
