@@ -5,8 +5,9 @@ whole (the old plan or the new one, never a mix), ``latest`` names a complete ch
 ``autopar run --resume`` accepts, ``checkpoints/`` and ``logs/`` are there, and the export
 folder is absent or complete.
 
-``AUTOPAR_KILL_TRIALS`` sets the number of trials (default 6, for CI), ``AUTOPAR_KILL_SEED``
-the seed of the kill moments, and ``AUTOPAR_KILL_REPORT`` a file for the tally (JSON).
+``AUTOPAR_KILL_TRIALS`` sets the number of trials (default 3, one per command, for CI),
+``AUTOPAR_KILL_SEED`` the seed of the kill moments, and ``AUTOPAR_KILL_REPORT`` a file for the
+tally (JSON).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from autopar.runtime.checkpoint import latest_checkpoint
 
 from .test_inspect import cli_here
 
-TRIALS = int(os.environ.get("AUTOPAR_KILL_TRIALS", "6"))
+TRIALS = int(os.environ.get("AUTOPAR_KILL_TRIALS", "3"))  # one per command; ~15 s each
 SEED = int(os.environ.get("AUTOPAR_KILL_SEED", "26"))
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("compile", "run", "export")
@@ -64,8 +65,7 @@ def workspace(tmp_path_factory) -> dict:
         assert made.returncode == 0, made.stderr
         refs[plan] = _generated(root / f"ref-{plan}")
     art = root / "art"
-    made = cli_here(*_compile_args(art, "a"))
-    assert made.returncode == 0, made.stderr
+    shutil.copytree(root / "ref-a", art)
     ran = cli_here("run", str(art), "--device", "cpu", "-q", "--steps", "2",
                    "--checkpoint-every", "1")
     assert ran.returncode == 0, ran.stderr
@@ -267,15 +267,17 @@ def test_a_recompile_killed_at_any_step_and_its_recovery_killed_at_any_step_lose
 
     model, one, two, refs = two_plans
     tried = 0
+    pristine = tmp_path / "pristine"
+    autopar.compile(model, None, one, pristine)
+    (pristine / "checkpoints" / "step_000001").mkdir(parents=True)
+    (pristine / "checkpoints" / "step_000001" / "meta.json").write_text("{}")
+    (pristine / "checkpoints" / "latest").write_text("step_000001")
+    (pristine / "logs").mkdir()
+    (pristine / "logs" / "train.jsonl").write_text('{"step": 0}\n')
+    before = _user_files(pristine)
     for swap_step in range(100):
         out = tmp_path / f"art{swap_step}"
-        autopar.compile(model, None, one, out)
-        (out / "checkpoints" / "step_000001").mkdir(parents=True)
-        (out / "checkpoints" / "step_000001" / "meta.json").write_text("{}")
-        (out / "checkpoints" / "latest").write_text("step_000001")
-        (out / "logs").mkdir()
-        (out / "logs" / "train.jsonl").write_text('{"step": 0}\n')
-        before = _user_files(out)
+        shutil.copytree(pristine, out)
         if not _killed_after(swap_step, partial(autopar.compile, model, None, two, out)):
             break  # the compile made fewer changes than this: every step was cut
         for recover_step in range(100):  # the next reader's recovery, killed in turn
@@ -285,8 +287,9 @@ def test_a_recompile_killed_at_any_step_and_its_recovery_killed_at_any_step_lose
         load_artifact(out)
         assert _generated(out) in refs, f"a mixed artifact after a kill at change {swap_step}"
         assert _user_files(out) == before
-        autopar.compile(model, None, two, out)  # and the next compile goes through
-        assert _generated(out) == refs[1]
+        if swap_step % 4 == 0:  # and the next compile goes through (the slow part: a sample)
+            autopar.compile(model, None, two, out)
+            assert _generated(out) == refs[1]
         shutil.rmtree(out)
     assert swap_step > 5 and tried > 0
 
@@ -344,6 +347,14 @@ def _job_processes(job: subprocess.Popen) -> list[psutil.Process]:
     return []
 
 
+def _status(proc: psutil.Process) -> str | None:
+    """The process's state, or None when it is gone."""
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
+
+
 @pytest.mark.dist
 @pytest.mark.skipif(DIST_TRIALS == 0, reason="set AUTOPAR_KILL_DIST_TRIALS to run it")
 def test_a_killed_two_process_run_keeps_its_last_checkpoint(tmp_path) -> None:
@@ -386,7 +397,10 @@ def test_a_killed_two_process_run_keeps_its_last_checkpoint(tmp_path) -> None:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             job.wait(timeout=30)
-        assert not [p for p in seen.values() if p.is_running() and p.status() != "zombie"]
+        # a killed worker outlives torchrun until its new parent reaps it
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=30)
+        running = [p for p in alive if _status(p) not in (psutil.STATUS_ZOMBIE, None)]
+        assert not running, f"the job left processes behind: {running}"
         ckpt = latest_checkpoint(art / "checkpoints")
         assert ckpt is not None and (art / "logs").is_dir()
         step = json.loads((ckpt / "meta.json").read_text())["step"]
