@@ -6,10 +6,14 @@ notes, hand-edited programs kept as ``*.edited.py``). Re-compiling replaces only
 kind, and never moves or removes the second: a checkpoint stays where it was at every instant.
 
 The swap moves the old generated files into ``DIR/.autopar-previous``, writes a marker when
-that is complete, then moves the new files in (the manifest last) and drops the old ones.
-SIGINT and SIGTERM wait until the swap is over. A process killed outright (SIGKILL, power)
-leaves ``.autopar-previous`` behind; :func:`recover` (run by the next compile and by every
-load) puts the previous artifact back, so a directory always holds one whole artifact.
+that is complete, then moves the new files in (the manifest last); renaming
+``.autopar-previous`` to ``.autopar-old-*`` commits the new artifact, and the old files are
+removed after that. SIGINT and SIGTERM wait until the swap is over. A process killed outright
+(SIGKILL, power) leaves ``.autopar-previous`` behind; :func:`recover` (run by the next compile
+and by every load) puts the previous artifact back, so a directory always holds one whole
+artifact. Every step of the swap and of the roll-back can be cut short and redone: the
+roll-back first removes the new files, then the marker, then puts the old ones back, so a
+roll-back killed half-way never mistakes an old file it already restored for a new one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +35,7 @@ GENERATED = ("plan.yaml", "train.py", "generate.py", "mindformers.yaml", "megatr
              "deepspeed.json", "manifest.json")
 PREVIOUS = ".autopar-previous"  # the old generated files while a swap is under way
 NEW_PREFIX = ".autopar-new-"  # where the new files are written inside an existing artifact
+OLD_PREFIX = ".autopar-old-"  # a committed swap's old files, being removed
 _MOVED = ".moved"  # in PREVIOUS: every old generated file is in it (the new ones may follow)
 
 
@@ -71,8 +77,10 @@ def recover(directory: Path, drop_unfinished: bool = False) -> bool:
     directory = Path(directory)
     if not directory.is_dir():
         return False
-    stale = [p for p in directory.iterdir()
-             if drop_unfinished and p.name.startswith(NEW_PREFIX)]
+    # a committed swap's old files are garbage to any caller; unfinished new files only to
+    # the compile about to write
+    stale = [p for p in directory.iterdir() if p.name.startswith(OLD_PREFIX)
+             or (drop_unfinished and p.name.startswith(NEW_PREFIX))]
     previous = directory / PREVIOUS
     if not stale and not previous.exists():
         return False
@@ -85,20 +93,36 @@ def recover(directory: Path, drop_unfinished: bool = False) -> bool:
 
 
 def _roll_back(directory: Path) -> None:
-    """Undo a swap cut short (the caller holds the lock): the old generated files go back,
-    new ones that had come in go."""
+    """Undo a swap cut short (the caller holds the lock): new files that had come in go, the
+    old generated files go back. Safe to cut short and redo at any point."""
     previous = directory / PREVIOUS
     if not previous.is_dir():
         return
-    if (previous / _MOVED).exists():  # new files may have come in: they go
+    moved = previous / _MOVED
+    if moved.exists():
+        # every old file is in PREVIOUS, so any generated file in the directory is a new one
         for name in GENERATED:
-            if not (previous / name).exists() and (directory / name).exists():
+            with contextlib.suppress(FileNotFoundError):
                 (directory / name).unlink()
+        fsync_dir(directory)
+        # from here on a generated file in the directory is an old one already put back
+        moved.unlink()
+        fsync_dir(previous)
     for name in GENERATED:  # the manifest last: it names the program
         if (previous / name).exists():
             os.replace(previous / name, directory / name)
     fsync_dir(directory)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def _discard(previous: Path) -> None:
+    """Commit a swap: ``previous`` (the old files) leaves its name in one rename, then goes.
+    Removing it in place could be cut short with the marker gone and old files left, which
+    :func:`recover` would put back over the new ones."""
+    trash = previous.with_name(f"{OLD_PREFIX}{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(previous, trash)
+    fsync_dir(previous.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def new_files_dir(directory: Path) -> Path:
@@ -131,5 +155,5 @@ def swap_in(new: Path, directory: Path) -> None:
         except BaseException:
             _roll_back(directory)
             raise
-        shutil.rmtree(previous)
+        _discard(previous)
         new.rmdir()

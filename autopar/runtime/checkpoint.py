@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from autopar.runtime.expert_zero import ExpertZeroOptimizer
     from autopar.runtime.trainer import Trainer
 
+REPLACED = ".replaced"  # suffix of a checkpoint moved aside while one of its step replaces it
 LAYOUT = 2  # 1: unflattened optimizer state (param_groups by index), before pp/ZeRO-1 support
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -233,7 +234,13 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0)
                 fsync_file(path)
         fsync_dir(partial)
         final = root / name
-        shutil.rmtree(final, ignore_errors=True)
+        aside = root / f"{name}{REPLACED}"
+        if final.exists():
+            # a checkpoint of the same step (an --overwrite run): moved aside in one rename, not
+            # removed, as ``latest`` may name it; until the new one is in place
+            # latest_checkpoint finds it there
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(partial, final)
         fsync_dir(root)
         tmp = root / "latest.tmp"
@@ -241,6 +248,7 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0)
         fsync_file(tmp)
         os.replace(tmp, root / "latest")
         fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep_last > 0:
             prune_checkpoints(root, keep_last)
     _barrier()
@@ -256,6 +264,9 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
                       if p.is_dir() and p.name[5:].isdigit() and (p / "meta.json").is_file())
     removed = [p for p in complete[:-keep_last] if p != latest]
     for path in removed:
+        # unmarked complete first: a removal cut short must not leave a "complete" checkpoint
+        (path / "meta.json").unlink(missing_ok=True)
+        fsync_dir(path)
         shutil.rmtree(path, ignore_errors=True)
     return removed
 
@@ -267,7 +278,12 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / "meta.json").is_file() else None
+    if (path / "meta.json").is_file():
+        return path
+    # a save of the same step was cut short between moving the old one aside and renaming
+    # the new one in: the old one is whole where it was moved
+    aside = path.with_name(path.name + REPLACED)
+    return aside if (aside / "meta.json").is_file() else None
 
 
 def artifact_checkpoint(directory: str | Path) -> Path:

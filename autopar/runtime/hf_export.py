@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from autopar.errors import PlanError
+from autopar.files import fsync_dir, fsync_file
 from autopar.models.hf import is_conv1d
 from autopar.peft.lora import merged
 from autopar.runtime.base_files import copy_tokenizer_files, recorded_init_from
@@ -149,9 +150,13 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
     partial.mkdir(parents=True)
     try:
         yield partial
+        for path in partial.iterdir():  # on disk before the name says it is whole
+            fsync_file(path)
+        fsync_dir(partial)
         if out.exists():
             out.rmdir()
         os.replace(partial, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
