@@ -258,10 +258,12 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0)
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     """Remove all but the newest ``keep_last`` complete checkpoints in ``root`` (never the one
     ``latest`` names, never anything that is not a ``step_NNNNNN`` directory); returns what
-    was removed."""
+    was removed. Newest by when they were completed, not by step: after ``--overwrite`` the
+    new run's early steps are newer than the earlier run's later ones."""
     latest = latest_checkpoint(root)
-    complete = sorted(p for p in root.glob("step_*")
-                      if p.is_dir() and p.name[5:].isdigit() and (p / "meta.json").is_file())
+    complete = sorted((p for p in root.glob("step_*")
+                       if p.is_dir() and p.name[5:].isdigit() and (p / "meta.json").is_file()),
+                      key=lambda p: ((p / "meta.json").stat().st_mtime_ns, p.name))
     removed = [p for p in complete[:-keep_last] if p != latest]
     for path in removed:
         # unmarked complete first: a removal cut short must not leave a "complete" checkpoint

@@ -64,3 +64,14 @@ def test_checkpoints_are_kept_as_asked_and_never_replaced_unasked(art) -> None:
     assert records[0]["run"] != old[0]["run"]
     assert (art / "checkpoints" / "latest").read_text() == "step_000002"
     assert "step_000004" in _steps(art)  # --keep-last was not asked this time: all stay
+
+
+def test_keep_last_after_overwrite_keeps_the_new_runs_checkpoints(art) -> None:
+    """--keep-last keeps the newest checkpoints by when they were written: a new run's early
+    steps outrank an earlier run's later ones."""
+    assert _run(art, "--steps", "4", "--checkpoint-every", "1").returncode == 0
+    again = _run(art, "--steps", "2", "--checkpoint-every", "1", "--keep-last", "2",
+                 "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert _steps(art) == ["step_000001", "step_000002"]
+    assert (art / "checkpoints" / "latest").read_text() == "step_000002"
