@@ -93,12 +93,14 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         click.echo(result.report(), nl=False)
         click.echo(f"\nwrote {path}")
         if not quiet:
-            launch = f"torchrun --nproc-per-node {result.devices}" if result.devices > 1 \
-                else "python"
+            from autopar.plan.launch import on_each_node, plan_launch
+
+            launch = plan_launch(result.devices, result.cluster)
             first = (f"{launch} {out_dir}/generate.py --prompts FILE",
                      "serve it (the generated program)") if result.task == "infer" else \
-                (f"torchrun --nproc-per-node {result.devices} {out_dir}/train.py",
-                 "train it (the generated program)")
+                (f"{launch} {out_dir}/train.py", "train it (the generated program)")
+            if on_each_node(launch):
+                first = (first[0], f"{first[1]}; {on_each_node(launch)}")
             hints = [first,
                      (f"autopar report {out_dir} --out report.html", "the report with plots"),
                      (f"autopar explain {out_dir} --block K", "why this sharding"),

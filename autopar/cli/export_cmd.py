@@ -87,6 +87,10 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
     click.echo(f"exported step {report.step} of {directory} to {report.path}: {report.tensors} "
                f"tensors, {report.bytes / 2**20:.1f} MiB in {report.files} file"
                f"{'s' if report.files > 1 else ''} ({dtype})")
+    if report.base is not None:
+        copied = ", ".join(report.tokenizer_files) or "none found there"
+        click.echo(f"base model (the run's --init-from): {report.base}; tokenizer files "
+                   f"copied: {copied}")
 
 
 def _export_onnx(model: str, out: str, batch: int | None, max_len: int | None,

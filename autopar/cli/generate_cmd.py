@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from autopar.cli.common import init_process_group
+from autopar.plan.launch import plan_launch
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
@@ -114,7 +115,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
         _, plan = load_artifact(model)
         if plan.devices != world:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                            f"running; launch with torchrun --nproc-per-node {plan.devices}")
+                            f"running; launch with {plan_launch(plan.devices, plan.cluster)}")
     where = device
     if device != "cpu":
         import torch

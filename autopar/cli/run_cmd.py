@@ -10,6 +10,7 @@ import click
 
 from autopar.cli.common import init_process_group
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
+from autopar.plan.launch import plan_launch
 from autopar.runtime.profiling import StepProfiler
 from autopar.runtime.run_log import RunLog, archive_logs
 
@@ -193,7 +194,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.devices:
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                        f"running; launch with torchrun --nproc-per-node {plan.devices}")
+                        f"running; launch with {plan_launch(plan.devices, plan.cluster)}")
     _refuse_unasked_overwrite(directory, resume, bool(training["overwrite"]))
     if not resume and int(os.environ.get("RANK", "0")) == 0:
         # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
@@ -375,7 +376,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
     ids = read_prompts(prompts, tok)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.devices:
-        launch = f"torchrun --nproc-per-node {plan.devices}" if plan.devices > 1 else \
+        launch = plan_launch(plan.devices, plan.cluster) if plan.devices > 1 else \
             "one process, without torchrun"
         raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
                         f"running; launch with {launch}")

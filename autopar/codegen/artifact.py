@@ -128,9 +128,12 @@ def _write_files(dest: Path, plan: Plan, source: dict, emit: tuple[str, ...]) ->
         (dest / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
                                                               sort_keys=False))
     if "megatron" in emit:  # a Megatron-LM launch command, on request
+        from autopar.plan.launch import devices_per_node
         from autopar.plan.megatron import megatron_command
 
-        (dest / "megatron.sh").write_text(megatron_command(plan))
+        # nodes as the plan's cluster has them (unknown: one node of all the devices)
+        per_node = devices_per_node(plan.cluster) or plan.devices
+        (dest / "megatron.sh").write_text(megatron_command(plan, gpus_per_node=per_node))
     if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
         from autopar.plan.deepspeed import deepspeed_config
 

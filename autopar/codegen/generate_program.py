@@ -26,6 +26,7 @@ from autopar.codegen.program import (
     torch_style_imports,
 )
 from autopar.plan import Plan
+from autopar.plan.launch import on_each_node, plan_launch
 from autopar.runtime.parallelize import plan_precision
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
@@ -68,8 +69,7 @@ def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> 
     _parallelize(w, plan, layout, shared)
     _generate(w, plan)
     w.blank(2)
-    run = "torchrun --nproc-per-node N" if plan.devices > 1 else "python"
-    w.line(f'if __name__ == "__main__":  # {run} generate.py --prompts prompts.jsonl')
+    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
     w.line("    import os")
     w.line("    import sys")
     w.blank()
@@ -99,8 +99,10 @@ def _header(w: _Writer, plan: Plan, model_name: str) -> None:
     elif predicted and predicted.step_time_s:
         w.line(f"predicted step time on {prose(plan.cluster)}: {predicted.step_time_s:.4g} s")
     w.blank()
-    launch = f"torchrun --nproc-per-node {plan.devices}" if plan.devices > 1 else "python"
+    launch = plan_launch(plan.devices, plan.cluster)  # ints and fixed words only
     w.line(f"Run:  {launch} generate.py --prompts prompts.jsonl")
+    if on_each_node(launch):
+        w.line(f"  ({on_each_node(launch)})")
     w.line("  (or: autopar run DIR --generate --prompts prompts.jsonl; --help lists the options)")
     w.line("Weights: the artifact's latest checkpoint, else the seed-0 weights autopar run "
            "starts training from.")

@@ -25,6 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from autopar.plan import Plan
+from autopar.plan.launch import on_each_node, plan_launch
 from autopar.runtime.expert_parallel import experts_use_ddp
 from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
 from autopar.runtime.style_spec import StyleSpec
@@ -91,7 +92,7 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     _replicate(w, plan)
     _optimizer(w, plan)
     w.blank(2)
-    w.line('if __name__ == "__main__":  # torchrun --nproc-per-node N train.py --steps 100')
+    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
     w.line("    import os")
     w.line("    import sys")
     w.blank()
@@ -212,8 +213,11 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     if predicted:
         w.line(f"predicted step time on {prose(plan.cluster)}: {predicted:.4g} s")
     w.blank()
-    w.line(f"Run:  torchrun --nproc-per-node {plan.devices} train.py --steps 100   "
-           f"(or: autopar run DIR --steps 100)")
+    launch = plan_launch(plan.devices, plan.cluster)  # ints and fixed words only
+    w.line(f"Run:  {launch} train.py --steps 100")
+    if on_each_node(launch):
+        w.line(f"  ({on_each_node(launch)})")
+    w.line("  (or: autopar run DIR --steps 100, under the same launcher)")
     w.line("autopar compile and autopar run regenerate this file when plan.yaml changes; once "
            "you edit it,")
     w.line("autopar run keeps your edits (and says so). Delete it to regenerate.")

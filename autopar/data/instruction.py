@@ -45,11 +45,22 @@ def _pair(record: object, where: str, prompt_key: str, response_key: str) -> tup
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
-    """The model's own tokenizer from its Hugging Face folder, through transformers."""
+    """The model's own tokenizer from its local Hugging Face folder, through transformers.
+
+    Never the network: a hub id (``meta-llama/Llama-3.2-1B``) is refused with the command
+    that downloads it, rather than fetched behind the user's back on every rank (and hung
+    on, or half-written, on a machine without access).
+    """
     from transformers import AutoTokenizer
 
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "a file, not a folder" if folder.exists() else "not a local folder"
+        raise PlanError(f"tokenizer {str(path)!r} is {what} (autopar never downloads); "
+                        f"download it first, e.g. `huggingface-cli download {path} "
+                        f"--local-dir DIR`, and pass DIR")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise PlanError(f"cannot load a tokenizer from {path} ({' '.join(str(exc).split())[:160]}"
                         f"); pass the model's Hugging Face folder") from None

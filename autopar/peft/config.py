@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from autopar.errors import PlanError
+from autopar.peft.peft_keys import drop_switched_off
 
 METHODS = ("lora", "prefix_tuning", "adapter", "low_rank_adapter", "bitfit", "rdrop")
 # peft's adapter_config.json names its method in peft_type
@@ -84,7 +85,8 @@ def parse_peft(spec: PeftConfig | dict | str | Path | None) -> PeftConfig | None
         data = dict(spec)
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a mapping of settings")
-    if "peft_type" in data:  # peft's adapter_config.json
+    peft_file = "peft_type" in data
+    if peft_file:  # peft's adapter_config.json
         kind = str(data.pop("peft_type")).upper()
         if kind not in _PEFT_TYPES:
             raise PlanError(f"{where}: peft_type {kind} is not one autopar runs; use "
@@ -92,12 +94,13 @@ def parse_peft(spec: PeftConfig | dict | str | Path | None) -> PeftConfig | None
         if data.get("prefix_projection"):
             raise PlanError(f"{where}: prefix_projection (an MLP that makes the prefix) is not "
                             f"in autopar; use a prefix tuning config without it")
-        data = {k: v for k, v in data.items() if k in _NAMES}
         data["method"] = _PEFT_TYPES[kind]
     method = str(data.get("method", "")).lower().replace("-", "_")
     if method not in METHODS:
         raise PlanError(f"{where}: unknown fine-tuning method {data.get('method')!r}; use one "
                         f"of {', '.join(METHODS)}")
+    # peft's settings autopar does not run: refused when on, never silently dropped
+    data = drop_switched_off(data, where, method, _NAMES, peft_file=peft_file)
     unknown = sorted(set(data) - _NAMES)
     if unknown:
         raise PlanError(f"{where}: unknown setting {unknown[0]!r}; use "

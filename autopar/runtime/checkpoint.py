@@ -222,7 +222,9 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0)
         # goes on with a resumed run
         meta = {"step": trainer.step_index,
                 "schedule": {"horizon": trainer.horizon, **trainer.hyper.as_dict()},
-                "seed": trainer.seed, "param_names": names, "layout": LAYOUT}
+                "seed": trainer.seed, "param_names": names, "layout": LAYOUT,
+                # the --init-from folder (absolute) or None: what an export names as the base
+                "init_from": getattr(trainer, "init_from", None)}
         if getattr(trainer, "scaler", None) is not None:  # fp16's loss scale goes on
             meta["loss_scale"] = trainer.scaler.state_dict()
         (partial / "meta.json").write_text(json.dumps(meta))
@@ -343,6 +345,8 @@ def load_checkpoint(trainer: Trainer, directory: str | Path) -> int:
         trainer.horizon = meta.get("schedule", {}).get("horizon")
     if getattr(trainer, "scaler", None) is not None and "loss_scale" in meta:
         trainer.scaler.load_state_dict(meta["loss_scale"])
+    if getattr(trainer, "init_from", None) is None:  # a resumed run started where this one did
+        trainer.init_from = meta.get("init_from")
     trainer.step_index = int(meta["step"])
     torch.manual_seed(trainer.seed + trainer.step_index)
     return trainer.step_index

@@ -213,7 +213,8 @@ def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module
     if path.is_dir() and any(path.glob("*.safetensors")):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    local_files_only=True).to(device)
     from autopar.runtime.source import describe_source
 
     # the weights autopar run starts from (seed 0): the same on every rank and every call

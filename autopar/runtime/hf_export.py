@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.models.hf import is_conv1d
 from autopar.peft.lora import merged
+from autopar.runtime.base_files import copy_tokenizer_files, recorded_init_from
 from autopar.runtime.checkpoint import artifact_checkpoint, read_tensors
 from autopar.runtime.hf_layout import Piece, model_tensors, save_pieces
 from autopar.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
@@ -39,6 +40,8 @@ class ExportReport:
     tensors: int  # checkpoint tensors written
     files: int  # safetensors shards
     bytes: int  # tensor bytes written
+    base: str | None = None  # the run's --init-from folder, as recorded in its checkpoint
+    tokenizer_files: list[str] = field(default_factory=list)  # copied from ``base``
 
 
 def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
@@ -50,7 +53,9 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     ``adapter_model.safetensors``, only the trained weights; peft's layout for LoRA and
     Prefix Tuning, see :mod:`autopar.peft.saved`); a LoRA run with ``merge`` as the base
     model with ``W + scaling * B @ A`` folded in; an R-Drop run (every weight trained) as
-    the whole model."""
+    the whole model. The folder the run's weights started from (``--init-from``, recorded
+    in the checkpoint) is the adapter's ``base_model_name_or_path``, and its tokenizer files
+    are copied into ``out`` (:mod:`autopar.runtime.base_files`)."""
     import torch.distributed.checkpoint as dcp
 
     from autopar.codegen import load_artifact
@@ -91,8 +96,9 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
             raise PlanError(f"checkpoint {ckpt} is not of this artifact's model ({name} is "
                             f"{'missing' if meta is None else list(meta.size)}); export the "
                             f"directory it was trained in")
+    base = recorded_init_from(ckpt)
     if peft and not merge:
-        return _export_adapter(adapted, peft, ckpt, stored, out, dtype)
+        return _export_adapter(adapted, peft, ckpt, stored, out, dtype, base)
     lora = {n: m for n, m in adapted.named_modules() if hasattr(m, "lora_A")} if peft else {}
     shapes, _, _ = model_tensors(model)
     pieces = save_pieces(model)
@@ -129,8 +135,9 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
                 weight_map.items()))}
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         _config(model, source["config"], dtype).save_pretrained(str(partial))
+        tokenizer = copy_tokenizer_files(base, partial)
     step = json.loads((ckpt / "meta.json").read_text())["step"]
-    return ExportReport(out, step, written, len(names), total)
+    return ExportReport(out, step, written, len(names), total, base, tokenizer)
 
 
 @contextlib.contextmanager
@@ -150,20 +157,24 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
         raise
 
 
-def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: str
-                    ) -> ExportReport:
-    """The run's adapter folder (:mod:`autopar.peft.saved`): only the trained weights."""
+def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: str,
+                    base: str | None) -> ExportReport:
+    """The run's adapter folder (:mod:`autopar.peft.saved`): only the trained weights, its
+    config naming ``base`` (the --init-from folder) as the model it adapts."""
     from autopar.peft.saved import adapter_files, save_adapter
 
     names = [n for n, p in adapted.named_parameters() if p.requires_grad]
     state = read_tensors(ckpt, stored, names)
     trained = {n: state[f"model.{n}"].to(DTYPES[dtype]) for n in names}
     tensors, config = adapter_files(adapted, peft, trained)
+    if base is not None:  # else what the model's config knows (nothing, for a config build)
+        config["base_model_name_or_path"] = base
     with _atomic_folder(out) as partial:
         save_adapter(partial, tensors, config)
+        tokenizer = copy_tokenizer_files(base, partial)
     step = json.loads((ckpt / "meta.json").read_text())["step"]
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return ExportReport(out, step, len(tensors), 1, nbytes)
+    return ExportReport(out, step, len(tensors), 1, nbytes, base, tokenizer)
 
 
 def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> list[list[str]]:

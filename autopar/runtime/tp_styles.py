@@ -123,7 +123,8 @@ class KvHeadReplicated(ParallelStyle):
     """A key or value projection of an attention with fewer kv heads than tp: its weight stays
     whole (a plain tensor) on every rank, and rank r computes only kv head ``r * kv // tp``,
     the one its query heads read. The input's gradient and the weight's are summed over the
-    tensor-parallel ranks (each computed a part)."""
+    tensor-parallel ranks (each computed a part). A LoRA-adapted projection keeps its update:
+    the rank's rows of ``lora_B`` after the whole ``lora_A``."""
 
     def __init__(self, kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -150,7 +151,15 @@ class KvHeadReplicated(ParallelStyle):
             weight = rows_of_shared(module.weight, start, count, group)
             bias = rows_of_shared(module.bias, start, count, group) \
                 if module.bias is not None else None
-            return torch.nn.functional.linear(x, weight, bias)
+            out = torch.nn.functional.linear(x, weight, bias)
+            if getattr(module, "lora_A", None) is not None:  # LoRA: B's rows of this head,
+                # A whole (its gradient, like the weight's, summed over the ranks)
+                a = rows_of_shared(module.lora_A, 0, module.lora_A.shape[0], group)
+                b = rows_of_shared(module.lora_B, start, count, group)
+                update = torch.nn.functional.linear(
+                    torch.nn.functional.linear(module.lora_dropout(x), a), b)
+                out = out + update * module.scaling
+            return out
 
         module.forward = forward
         return module

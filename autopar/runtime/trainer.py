@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from autopar.errors import PlanError
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
+from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
 from autopar.runtime.apply import check_module_paths, check_tp_entries
 from autopar.runtime.expert_parallel import (
@@ -89,8 +90,8 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != plan.devices:
             raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
-                            f"are running; launch with torchrun --nproc-per-node "
-                            f"{plan.devices} (or re-plan for {world})")
+                            f"are running; launch with "
+                            f"{plan_launch(plan.devices, plan.cluster)} (or re-plan for {world})")
         check_expert_parallel(plan)
         hyper = hyper or Hyperparameters()
         if lr is not None:  # a shorthand for the most common setting
@@ -140,6 +141,9 @@ class Trainer:
         added = {n for n, _ in reference.named_parameters(remove_duplicate=False)} - base_names
         self.weights = HFCheckpoint(init_from, reference, optional=added) if init_from \
             else None
+        # where the weights started, recorded in every checkpoint (a resumed run takes it
+        # from the one it loads) so that an export can name its base model and tokenizer
+        self.init_from = str(Path(init_from).resolve()) if init_from else None
         # what a checkpoint holds: traced pipeline stages also list non-persistent buffers
         self.state_keys = frozenset(reference.state_dict())
         # what the model's constructor wrote, for the tensors no init rule writes (a plain

@@ -107,3 +107,49 @@ def test_bad_instruction_inputs_exit_2(tokenizer_folder, tmp_path) -> None:
                                    "--tokenizer", str(tokenizer_folder), "--seq", "32",
                                    "--out", str(tmp_path / "b")), "pairs.jsonl:2", "prompt")
     assert not list(tmp_path.glob("b*"))
+
+
+def test_a_hub_id_is_refused_with_the_download_command(tmp_path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    hub_id = "meta-llama/Llama-3.2-1B"
+    _assert_one_line_error(cli_here("data", "prepare", str(pairs), "--format", "instruction",
+                                    "--tokenizer", hub_id, "--seq", "32",
+                                    "--out", str(tmp_path / "a")),
+                           "not a local folder", "never downloads",
+                           f"huggingface-cli download {hub_id} --local-dir DIR", "pass DIR")
+    assert not list(tmp_path.glob("a*"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    _assert_one_line_error(cli_here("generate", "tiny-llama", "--prompts", str(prompts),
+                                    "--tokenizer", hub_id), f"download {hub_id}")
+
+
+def test_tokenizers_load_with_local_files_only(tokenizer_folder, tmp_path, monkeypatch) -> None:
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from autopar.data.instruction import load_hf_tokenizer
+    from autopar.errors import PlanError
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("autopar tried the network for a tokenizer")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    seen: list[dict] = []
+    real = AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    assert load_hf_tokenizer(tokenizer_folder).eos_token == "</s>"
+    assert seen[-1].get("local_files_only") is True
+    # a local folder without tokenizer files: one line, and still no download attempt
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PlanError, match="cannot load a tokenizer"):
+        load_hf_tokenizer(empty)
+    assert seen[-1].get("local_files_only") is True

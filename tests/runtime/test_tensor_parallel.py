@@ -223,3 +223,55 @@ def test_gpt_pp2_x_tp2_sequence_parallel_matches_single_process(gpt4) -> None:
     # (rank 0's stage holds 2 layers)
     assert total.get("reduce_scatter_tensor", 0) >= 4 * 2 * 2
     assert total.get("all_gather_into_tensor", 0) >= 4 * 2 * 2
+
+
+def _lora_kv_rank(rank: int, port: int, out, world: int) -> None:
+    from .harness import run_in_group
+
+    run_in_group(rank, port, out, world, _lora_kv_body, world)
+
+
+def _lora_kv_body(world: int) -> dict:
+    """A LoRA-adapted key projection (2 kv heads of 4 features) under KvHeadReplicated on
+    ``world`` ranks: each rank's output rows and the weights' gradients, gathered."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.peft.lora import LoraLinear
+    from autopar.runtime.tp_styles import KvHeadReplicated
+
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(6, 8)
+    LoraLinear.wrap(proj, r=2, scaling=0.5, dropout=0.0)
+    torch.nn.init.normal_(proj.lora_B)  # B starts at zero: make the update count
+    x = torch.randn(3, 6)
+    if world == 1:
+        y = proj(x)
+        rows = {0: y.detach()}
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        KvHeadReplicated(2, 4)._apply(proj, mesh)
+        y = proj(x)
+        mine = {dist.get_rank(): y.detach()}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        rows = {k: v for d in everyone for k, v in d.items()}
+    y.pow(2).sum().backward()
+    return {"out": torch.cat([rows[r] for r in sorted(rows)], dim=-1).numpy(),
+            **{n: p.grad.numpy() for n, p in proj.named_parameters() if p.grad is not None}}
+
+
+def test_kv_head_replication_keeps_a_lora_update() -> None:
+    """Rank r computes kv head r; with LoRA on the projection its update is part of that head
+    (B's rows, A whole), and every gradient equals one process's (summed over the ranks)."""
+    import numpy as np
+
+    from .harness import spawn_ranks
+
+    single = spawn_ranks(_lora_kv_rank, 1, (1,))[0]
+    assert set(single) == {"out", "lora_A", "lora_B"}
+    split = spawn_ranks(_lora_kv_rank, 2, (2,))[0]
+    for key, value in single.items():
+        np.testing.assert_allclose(split[key], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
