@@ -8,11 +8,13 @@ runs), keys removed and added, at the top level and nested. Each mutated file go
 
 - refused: a PlanError of one line (a sample also through ``autopar report PLAN.yaml``: exit
   2, one line on stderr, nothing written);
-- accepted: the program autopar generates for it is compiled (never run) and must hold no
-  call to ``open`` and no trace of the canary, and it must train exactly like the unmutated
-  plan's: the same program text and the same runtime fields (:data:`NOT_RUNTIME` lists what
-  the runtime never reads), or, where they differ, a sample trains two steps on gloo ranks
-  and its losses must equal the unmutated plan's.
+- accepted: the program autopar generates for it must hold no call to ``open`` (nor
+  ``system``, ``eval``, ...) and no trace of the canary; then it is compiled and imported as
+  ``autopar run`` imports it, and no canary file may appear. And it must train exactly like
+  the unmutated plan: the same program (byte for byte after its module docstring, the prose
+  that states the predictions) and the same runtime fields (:data:`NOT_RUNTIME` lists what the
+  runtime never reads), or, where they differ, a sample trains two steps on gloo ranks and
+  its losses must equal the unmutated plan's (or the runtime refuses it in one line).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import pytest
 import yaml
 
 import autopar
-from autopar.codegen import compile_artifact, load_artifact
+from autopar.codegen import compile_artifact, load_artifact, load_program
 from autopar.codegen.artifact import program_for
 from autopar.errors import PlanError
 from autopar.plan import Plan
@@ -229,9 +231,10 @@ def test_mutated_plans_are_refused_in_one_line_or_train_the_same(bases, tmp_path
             except Exception as exc:  # noqa: BLE001 - the finding: not a one-line refusal
                 failures.append(f"{case}: {type(exc).__name__}: {exc!r:.300}")
                 continue
-            compile(program, file, "exec")
             if _calls_open(program) or CANARY in program:
                 failures.append(f"{case}: the generated {file} holds the canary")
+                continue  # never run what holds it
+            load_program(program, file)  # compiled and imported, as `autopar run` does
             if (tmp_path / CANARY).exists():
                 failures.append(f"{case}: the canary file appeared")
             same_code = file == base["program"][0] and \
