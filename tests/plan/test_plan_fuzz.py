@@ -35,7 +35,7 @@ from autopar.codegen.artifact import program_for
 from autopar.errors import PlanError
 from autopar.plan import Plan
 
-MUTATIONS_PER_BASE = 160  # two bases: 320 mutated plan files
+MUTATIONS_PER_BASE = 150  # two bases: 300 mutated plan files
 CANARY = "CANARY"
 # plan values that would create the canary file if any reached generated code unquoted: they
 # close a docstring, a string of either quote, a call's parentheses or a line
