@@ -19,6 +19,7 @@ PLAN_VERSION = 3
 # runner-ups' breakdowns, bounds, explain); version 2 lacks the precision, the engine and the
 # robustness checks. Both still load, and the report says what is missing
 READABLE_VERSIONS = (1, 2, 3)
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def round6(x: float) -> float:
@@ -144,7 +145,9 @@ class Plan:
         """Read a plan file; a file of another version or an inconsistent edit is a PlanError."""
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text())
+            # libyaml's safe loader where installed: the same data, and a plan with its explain
+            # tables parses in milliseconds instead of a second
+            data = yaml.load(path.read_text(), Loader=_SAFE_LOADER)  # noqa: S506 - safe
         except OSError as exc:
             raise PlanError(f"cannot read plan {path}: {exc.strerror}; check the path") from None
         except yaml.YAMLError as exc:
@@ -167,12 +170,15 @@ class Plan:
         if isinstance(data.get("mesh"), dict) and "cp" not in data["mesh"]:
             data["mesh"] = {**data["mesh"], "cp": 1}  # plans from before context parallelism
         check_plan_file(data, where)  # every field's type and range, before anything reads it
-        try:
-            predicted = Predicted(**data.pop("predicted"))
-            plan = cls(predicted=predicted, **data)
-        except (TypeError, KeyError) as exc:
-            raise PlanError(f"{where}: missing or unknown field ({exc}); re-plan or restore "
-                            f"the field") from None
+        for fields, given, inside in ((cls.__dataclass_fields__, data, ""),
+                                      (Predicted.__dataclass_fields__, data["predicted"],
+                                       "predicted.")):
+            unknown = sorted(set(given) - set(fields), key=repr)
+            if unknown:  # repr: a key may hold quotes or line breaks, the message stays one line
+                raise PlanError(f"{where}: missing or unknown field ({inside}{unknown[0]!r} is "
+                                f"not a plan field); remove it, or re-plan")
+        predicted = Predicted(**data.pop("predicted"))
+        plan = cls(predicted=predicted, **data)
         plan.validate(where)
         plan.version = PLAN_VERSION  # upgraded in memory: saving writes the current format
         return plan

@@ -13,6 +13,7 @@ pydantic does the checking (strict mode); the Plan itself stays a plain dataclas
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, TypeAdapter, ValidationError
@@ -135,7 +136,9 @@ def check_plan_file(data: dict, where: str = "plan") -> None:
         _PLAN_FILE.validate_python(data, strict=True)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        # a key is data too: one with quotes, spaces or line breaks is shown by repr
+        field = ".".join(str(part) if re.fullmatch(r"[\w.\-\[\]]+", str(part)) else repr(part)
+                         for part in first["loc"]) or "(top level)"
         got = first.get("input")
         shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
         if first["type"] == "missing":

@@ -177,6 +177,19 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
     return out
 
 
+def _check_every_parameter_placed(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan whose placements.params leaves out a parameter of ``model``: under tp
+    the rest of its module's split assumes it (a projection left whole beside its split
+    siblings trains different numbers, or fails inside DTensor), so a hand edit that drops one
+    must not be read as "replicate it"."""
+    placed = plan.placements.get("params") or {}
+    missing = [name for name, _ in model.named_parameters() if name not in placed]
+    if missing:
+        raise PlanError(f"placements.params does not place {missing[0]}"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                        + "; restore the entry or re-plan with autopar compile")
+
+
 def _check_kind(path: str, module: nn.Module) -> None:
     if not isinstance(module, (nn.Linear, nn.Embedding)) and not is_conv1d(module):
         raise PlanError(f"the plan splits {path} ({type(module).__name__}) over tp, but only "
@@ -214,6 +227,7 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     ``whole_logits`` makes a column-parallel LM head gather its output (for a caller's own
     loss) instead of leaving it split for a vocabulary-parallel loss.
     """
+    _check_every_parameter_placed(model, plan)
     tied = tied_modules(model) if tied is None else tied
     graphed = graph_layers(model, plan)
     if graphed and plan.sequence_parallel:
