@@ -63,6 +63,19 @@ def test_each_edit_of_the_program_is_kept_across_recompiles(plans, tmp_path):
     assert "# second edit" not in (out / "train.py").read_text()
 
 
+def _replace_failing_after(count: int, error: type[BaseException]):
+    """os.replace that raises ``error`` instead of its rename number ``count`` (0-based)."""
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        if len(calls) == count:
+            raise error
+        calls.append(dst)
+        real(src, dst)
+
+    return replace
+
+
 @pytest.mark.parametrize("renames_before_failure", range(7))
 def test_a_compile_cut_short_leaves_the_previous_artifact(plans, tmp_path, monkeypatch,
                                                           renames_before_failure):
@@ -70,18 +83,11 @@ def test_a_compile_cut_short_leaves_the_previous_artifact(plans, tmp_path, monke
     model, one, two = plans
     out = _artifact_with_a_run(model, one, tmp_path / "art")
     before = _user_files(out)
-    real, calls = os.replace, []
-
-    def failing(src, dst):
-        if len(calls) == renames_before_failure:
-            raise KeyboardInterrupt
-        calls.append(dst)
-        real(src, dst)
-
-    monkeypatch.setattr(artifact_swap.os, "replace", failing)
+    monkeypatch.setattr(artifact_swap.os, "replace",
+                        _replace_failing_after(renames_before_failure, KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         autopar.compile(model, None, two, out)
-    monkeypatch.setattr(artifact_swap.os, "replace", real)
+    monkeypatch.undo()
     assert load_artifact(out)[1].devices == 1
     assert _user_files(out) == before
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
@@ -95,18 +101,12 @@ def test_a_compile_killed_mid_swap_is_undone_by_the_next_load(plans, tmp_path, m
     model, one, two = plans
     out = _artifact_with_a_run(model, one, tmp_path / "art")
     before = _user_files(out)
-    real, calls = os.replace, []
 
     class Killed(BaseException):
         pass
 
-    def killed(src, dst):
-        if len(calls) == renames_before_kill:
-            raise Killed
-        calls.append(dst)
-        real(src, dst)
-
-    monkeypatch.setattr(artifact_swap.os, "replace", killed)
+    monkeypatch.setattr(artifact_swap.os, "replace",
+                        _replace_failing_after(renames_before_kill, Killed))
     monkeypatch.setattr(artifact_swap, "_roll_back", lambda directory: None)  # no handler ran
     with pytest.raises(Killed):
         autopar.compile(model, None, two, out)
