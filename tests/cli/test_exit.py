@@ -46,7 +46,8 @@ def _copy(compiled: Path, tmp_path: Path) -> Path:
 
 def _torchrun(art: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "4", "-m", "autopar", "run", str(art), "--steps", str(steps), "--device", "cpu"]
+            "4", "-m", "autopar", "run", str(art), "--steps", str(steps), "--device", "cpu",
+            "--overwrite"]  # each run a new one over the last one's checkpoints
 
 
 def _processes_of(art: Path) -> list[psutil.Process]:
