@@ -4,6 +4,7 @@ Public surface (see docs/architecture.md): ``capture``, ``plan``, ``sweep``, ``c
 ``parallelize``, ``Generator``, ``Cluster``, the error classes and the ``ir`` module.
 """
 
+import autopar.report  # noqa: F401 - registers Plan.report's renderer (plan/ cannot import it)
 from autopar import ir
 from autopar.capture import capture
 from autopar.codegen import compile_artifact as compile  # noqa: A001 - the public name

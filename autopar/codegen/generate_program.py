@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.codegen.program import (
-    _TORCH,
     _dict,
     _list,
     _relative_styles,
@@ -27,11 +26,11 @@ from autopar.codegen.program import (
 )
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
+from autopar.plan.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
 from autopar.runtime.parallelize import plan_precision
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 GENERATE_FILE = "generate.py"
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
@@ -143,7 +142,7 @@ def _mesh(w: _Writer, plan: Plan) -> None:
            f"\"tp\": {m['tp']}}}")
     compute = plan_precision(plan).compute
     w.line("AUTOCAST = " + ("None  # fp32 throughout" if compute == "fp32"
-                            else f"torch.{_TORCH[compute]}  # autocast's compute dtype"))
+                            else f"torch.{TORCH_DTYPE_NAMES[compute]}  # autocast's compute dtype"))
     w.blank(2)
     w.line("def build_mesh(device):")
     w.line('    """The named device mesh over the launched processes (tp innermost)."""')
@@ -204,7 +203,7 @@ def _cache(w: _Writer, plan: Plan, model, layout: TensorParallelLayout | None) -
     batch = max(1, plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"]))
     seq = next(iter(plan.model["inputs"].values()))[-1]
     precision = plan_precision(plan).compute
-    size = 2 * layers * batch * local * seq * head_dim * _BYTES[precision]
+    size = 2 * layers * batch * local * seq * head_dim * DTYPE_BYTES[precision]
     w.line(f"# per rank: [batch, {local}, max_len, {head_dim}] in each of "
            + (f"its layers (at most {layers} of {config.num_hidden_layers})" if pp > 1
               else f"{layers} layers"))

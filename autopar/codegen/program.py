@@ -26,13 +26,13 @@ from torch import nn
 
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
+from autopar.plan.precision import TORCH_DTYPE_NAMES
 from autopar.runtime.expert_parallel import experts_use_ddp
 from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
 from autopar.runtime.style_spec import StyleSpec
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 PROGRAM_FILE = "train.py"
-_TORCH = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _LAYERLESS = ("head", "tail", "root")
 
 
@@ -311,7 +311,7 @@ def _peft(w: _Writer, plan: Plan) -> None:
         w.line("    apply_peft(model, PEFT)")
         w.line("    # frozen weights get no update, so no fp32 master copy: held as compute reads "
                "them")
-        w.line(f"    hold_frozen(model, torch.{_TORCH[held]})")
+        w.line(f"    hold_frozen(model, torch.{TORCH_DTYPE_NAMES[held]})")
     w.blank(2)
 
 
@@ -325,7 +325,7 @@ def _mesh(w: _Writer, plan: Plan) -> None:
     w.line(f"# precision: {p.compute} compute, {p.param} parameters as computed with, "
            f"{p.reduce} gradient reductions; fp32 master weights and optimizer states")
     w.line("AUTOCAST = " + ("None  # fp32 throughout" if p.compute == "fp32"
-                            else f"torch.{_TORCH[p.compute]}  # autocast's compute dtype"))
+                            else f"torch.{TORCH_DTYPE_NAMES[p.compute]}  # autocast's compute dtype"))
     w.line(f"LOSS_SCALING = {p.loss_scaling}  # dynamic loss scaling (fp16's narrow range)")
     w.blank(2)
     w.line("def build_mesh(device):")
@@ -421,8 +421,8 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
     if p.param == "fp32" and p.reduce == "fp32":
         w.line("    mp = MixedPrecisionPolicy()  # fp32")
     else:
-        w.line(f"    mp = MixedPrecisionPolicy(param_dtype=torch.{_TORCH[p.param]}, "
-               f"reduce_dtype=torch.{_TORCH[p.reduce]})")
+        w.line(f"    mp = MixedPrecisionPolicy(param_dtype=torch.{TORCH_DTYPE_NAMES[p.param]}, "
+               f"reduce_dtype=torch.{TORCH_DTYPE_NAMES[p.reduce]})")
     w.line(f"    for layer in ap.present({target}, LAYERS):")
     w.line(f"        fully_shard({target}.get_submodule(layer), mesh=mesh[\"dp\"], "
            f"reshard_after_forward={reshard},")

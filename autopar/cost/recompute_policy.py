@@ -31,12 +31,13 @@ a weight matrix folds into one ``mm``, a batch by a batch becomes ``bmm`` (alway
 from __future__ import annotations
 
 from autopar.capture.op_costs import packet_name
+from autopar.ir.blocks import LAYERLESS_BLOCKS
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 
 RECOMPUTE_MODES = ("none", "selective", "op", "full")
-# the blocks that are not a repeated layer (the embedding, the head with its loss, a model
-# with no layers): mode ``op`` leaves them unwrapped, as torchtitan does
-LAYERLESS_BLOCKS = ("head", "tail", "root")
+# LAYERLESS_BLOCKS (re-exported): the blocks that are not a repeated layer (the embedding, the
+# head with its loss, a model with no layers): mode ``op`` leaves them unwrapped, as
+# torchtitan does
 
 # dispatch-level aten ops (packet names) whose outputs mode "op" keeps: torchtitan's
 # _get_default_save_ops (compute_intensive_ops, its explicit SDPA / linear / topk list, the

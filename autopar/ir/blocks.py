@@ -21,6 +21,10 @@ from collections import Counter
 from autopar.ir.graph import Block, Graph, OpKind
 
 _INDEX = re.compile(r"^\d+$")
+# the names grouping gives blocks that are not one of the repeated layers: the ops before the
+# layers, the ops after them, and ops under no module at all. Every reader of a plan's blocks
+# (the cost model, pipeline cuts, tensor-parallel layers, exports) tells layers apart by these
+LAYERLESS_BLOCKS = ("head", "tail", "root")
 
 
 def _layer_key(path: str, container: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,10 @@ import yaml
 
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
+from autopar.plan.launch import plan_launch
+from autopar.plan.model_facts import ModelFacts
+from autopar.plan.placement import Placement, parse_placements
+from autopar.plan.precision import FP32, Precision
 from autopar.plan.schema import check_plan_file
 from autopar.plan.tp_entries import validate_tp_entries
 
@@ -20,6 +25,20 @@ PLAN_VERSION = 3
 # robustness checks. Both still load, and the report says what is missing
 READABLE_VERSIONS = (1, 2, 3)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# the offloads that move model state (parameters, gradients, optimizer states) to the host;
+# "activations" moves only what the backward reads
+STATE_OFFLOADS = frozenset({"optimizer", "params"})
+
+# Plan.report's renderer. The report package reads plans (report -> plan), so plan/ must not
+# import it; instead autopar.report registers its ``render`` here when it is imported (autopar's
+# __init__ imports it, so ``import autopar`` is enough), and Plan.report delegates to it.
+_report_renderer: Callable[..., str] | None = None
+
+
+def register_report_renderer(render: Callable[..., str]) -> None:
+    """Make ``render(plan, fmt, run)`` what :meth:`Plan.report` calls (autopar.report's)."""
+    global _report_renderer
+    _report_renderer = render
 
 
 def round6(x: float) -> float:
@@ -91,7 +110,8 @@ class Plan:
     ``recompute`` has one mode per block; ``stages`` are ``[start, end)`` block ranges.
     """
 
-    model: dict  # source, parameter count, block names/types, captured input shapes
+    # source, parameter count, blocks, captured input shapes (a dict is read into the record)
+    model: ModelFacts
     devices: int
     cluster: str
     task: str
@@ -125,10 +145,15 @@ class Plan:
     trainable_params: int = 0
     version: int = PLAN_VERSION
 
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):  # the plan file's mapping, or a caller's
+            self.model = ModelFacts.from_dict(self.model)
+
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain data (what the YAML file holds), ``version`` first."""
         d = asdict(self)
+        d["model"] = self.model.to_dict()
         d = {"version": d.pop("version"), **d}
         return d
 
@@ -200,7 +225,7 @@ class Plan:
             raise PlanError(
                 f"{where}: microbatch_size {self.microbatch_size} x num_microbatches "
                 f"{self.num_microbatches} x dp*ep {replicas} != global_batch {self.global_batch}")
-        nblocks = len(self.model.get("blocks", self.recompute))
+        nblocks = len(self.model.blocks)
         if len(self.recompute) != nblocks:
             raise PlanError(f"{where}: recompute lists {len(self.recompute)} modes for "
                             f"{nblocks} blocks; give one mode per block")
@@ -225,8 +250,6 @@ class Plan:
 
             parse_peft(dict(self.peft))  # one line naming the bad setting
         if self.precision:
-            from autopar.cost.precision import Precision
-
             try:
                 Precision.from_dict(self.precision)
             except (KeyError, TypeError, ValueError) as exc:
@@ -246,13 +269,90 @@ class Plan:
         return {m: self.recompute.count(m) for m in RECOMPUTE_MODES
                 if self.recompute.count(m)}
 
+    @property
+    def layers(self) -> list[str]:
+        """Module paths of the model's repeated layers, in model order (not the head, tail or
+        root blocks around them)."""
+        return self.model.layers
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sequence the plan was made for (the first captured input's last
+        dimension)."""
+        return self.model.seq
+
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """Block ranges of the pipeline chunks: the stages, each cut in ``virtual_stages``
+        parts for the interleaved schedule (chunk c runs on rank c % pp), in model order."""
+        v = self.virtual_stages if self.schedule == "interleaved" else 1
+        out = []
+        for start, end in self.stages:
+            n = end - start
+            if n < v:
+                raise PlanError(f"stage {start}-{end} has fewer blocks than virtual_stages={v}")
+            cuts = [start + (n * k) // v for k in range(v + 1)]
+            out.extend((cuts[k], cuts[k + 1]) for k in range(v))
+        if v > 1:  # chunk order: rank r holds chunks r, r + pp, ... of the model's sequence
+            pp = len(self.stages)
+            out = [out[r * v + k] for k in range(v) for r in range(pp)]
+            out.sort()
+        return out
+
+    @property
+    def offloads_state(self) -> bool:
+        """Whether model state (optimizer states or parameters) is offloaded to the host."""
+        return bool(STATE_OFFLOADS & set(self.offload))
+
+    @property
+    def state_offloads(self) -> list[str]:
+        """Which model state is offloaded: ``["optimizer"]``, ``["optimizer", "params"]``..."""
+        return sorted(STATE_OFFLOADS & set(self.offload))
+
+    @property
+    def data_parallel_wrapper(self) -> str:
+        """"fully_shard", "ddp" or "none": which wrapper the data parallelism uses. DDP for
+        ZeRO-0/1 (1 adds ZeroRedundancyOptimizer: :attr:`shards_optimizer`), fully_shard for
+        ZeRO-2 (parameters kept gathered from the forward to the end of the backward) and
+        ZeRO-3, and for state offload (with one device too)."""
+        if self.offloads_state:
+            return "fully_shard"
+        if self.mesh["dp"] == 1:
+            return "none"
+        return "ddp" if self.zero_stage <= 1 else "fully_shard"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether DDP's optimizer is a ZeroRedundancyOptimizer (ZeRO-1)."""
+        return self.data_parallel_wrapper == "ddp" and self.zero_stage == 1
+
+    @property
+    def training_precision(self) -> Precision:
+        """The precision record (fp32 where the plan records none: plans before version 3)."""
+        return Precision.from_dict(self.precision) if self.precision else FP32
+
+    def param_placements(self) -> dict[str, Placement]:
+        """Each parameter's placement as a record (the file holds the string form)."""
+        return parse_placements(self.placements.get("params") or {})
+
+    def check_world_size(self, world: int) -> None:
+        """Refuse, in one line with the launch that fits, a run of ``world`` processes for a
+        plan of another size."""
+        if world == self.devices:
+            return
+        launch = plan_launch(self.devices, self.cluster) if self.devices > 1 else \
+            "one process, without torchrun"
+        raise PlanError(f"the plan is for {self.devices} devices but {world} processes are "
+                        f"running; launch with {launch} (or re-plan for {world})")
+
     def report(self, fmt: str = "text", run: dict | None = None) -> str:
         """The strategy report: ``"text"``, ``"markdown"``, ``"html"`` (one self-contained
         file with plots) or ``"json"``; ``run`` (:func:`autopar.report.run.load_run` of an
-        artifact directory) adds what a run measured next to what was predicted."""
-        from autopar.report import render
-
-        return render(self, fmt, run)
+        artifact directory) adds what a run measured next to what was predicted. Delegates to
+        :func:`autopar.report.render` (registered by that package: see above)."""
+        if _report_renderer is None:
+            raise PlanError("no report renderer is registered: import autopar.report (or "
+                            "autopar) before calling Plan.report")
+        return _report_renderer(self, fmt, run)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh}, mb={self.microbatch_size}x{self.num_microbatches}, "

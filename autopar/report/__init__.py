@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from autopar.errors import PlanError
+from autopar.plan.plan import register_report_renderer
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -37,5 +38,8 @@ def render(plan, fmt: str = "text", run: dict | None = None) -> str:
 
     return render_html(plan, data, secs)
 
+
+# Plan.report delegates here (plan/ does not import the report: see register_report_renderer)
+register_report_renderer(render)
 
 __all__ = ["FORMATS", "render"]

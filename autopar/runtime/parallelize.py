@@ -121,12 +121,11 @@ def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
     return "none" if dp_mesh is None else data_parallel_wrapper(plan)
 
 
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """torch's dtype for a plan's short dtype name (fp32, bf16, fp16)."""
-    return getattr(torch, _TORCH_DTYPES[name])
+    from autopar.plan.precision import TORCH_DTYPE_NAMES  # here: imports move with the file
+
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
 
 
 def plan_precision(plan: Plan):

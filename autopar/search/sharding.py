@@ -29,6 +29,7 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.tp_layout import tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 from autopar.peft import is_added_param, is_prefix_param
+from autopar.plan.precision import DTYPE_BYTES
 from autopar.search.placements import fused_segments
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)
@@ -145,7 +146,6 @@ def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str
     return seconds
 
 
-_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _decode_op_seconds(graph: Graph, op: OpNode, strategy: str, tp: int, cluster: Cluster,
@@ -165,7 +165,7 @@ def _decode_op_seconds(graph: Graph, op: OpNode, strategy: str, tp: int, cluster
         nbytes += sum(m.nbytes for m in op.input_meta[1:3]) / batch
     elif op.kind is not OpKind.EMBEDDING:
         nbytes += sum(graph.params[p].numel for p in op.params if p in graph.params) * \
-            _DTYPE_BYTES.get(dtype, 2)
+            DTYPE_BYTES.get(dtype, 2)
     seconds = nbytes / divisor / (device.memory_bandwidth * device.efficiency.memory)
     if strategy == "W":
         seconds += axis_collective_time("all_reduce", op.output_bytes / tokens,
