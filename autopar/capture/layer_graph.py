@@ -9,7 +9,6 @@ runtime (:mod:`autopar.runtime.graph_tp` runs the same rewritten graph on real s
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,7 +19,6 @@ from autopar.capture.einsum_projection import node_projection
 from autopar.capture.layer_split import Collectives, Refused, split_graph
 from autopar.errors import PlanError
 
-_SHARD = re.compile(r"^Shard\((\d+)\)@tp")
 # classes whose layers keep module styles (tested per family): everything else runs from
 # its graph under tensor parallelism
 MODULE_STYLED = ("transformers.", "autopar.")
@@ -35,14 +33,18 @@ def runs_from_graph(layer: nn.Module) -> bool:
 def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
     """The tensor-parallel shard dimension of each parameter of ``layer`` (relative names)
     from a plan's parameter placements (``Shard(d)@tp...``)."""
+    from autopar.plan.placement import Placement  # here: the plan package imports capture
+
     out = {}
-    for fqn, placement in placements.items():
-        if fqn.startswith(layer + ".") and "@tp" in placement:
-            match = _SHARD.match(placement)
-            if match is None:
-                raise PlanError(f"the plan places {fqn} as {placement}, which a layer run from "
-                                f"its graph cannot hold (only Shard(d)@tp); re-plan with tp=1")
-            out[fqn[len(layer) + 1:]] = int(match.group(1))
+    for fqn, text in placements.items():
+        if not fqn.startswith(layer + "."):
+            continue
+        placement = Placement.parse(text)
+        if placement.kv_heads:
+            raise PlanError(f"the plan places {fqn} as {text}, which a layer run from "
+                            f"its graph cannot hold (only Shard(d)@tp); re-plan with tp=1")
+        if placement.tp_dim is not None:
+            out[fqn[len(layer) + 1:]] = placement.tp_dim
     return dict(sorted(out.items()))
 
 

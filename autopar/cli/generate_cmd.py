@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 
 from autopar.cli.common import init_process_group
-from autopar.plan.launch import plan_launch
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
@@ -113,9 +112,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
             raise PlanError(f"{world} processes need a plan: pass an artifact DIR, or run "
                             f"without torchrun")
         _, plan = load_artifact(model)
-        if plan.devices != world:
-            raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                            f"running; launch with {plan_launch(plan.devices, plan.cluster)}")
+        plan.check_world_size(world)
     where = device
     if device != "cpu":
         import torch

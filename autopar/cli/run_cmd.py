@@ -10,7 +10,6 @@ import click
 
 from autopar.cli.common import init_process_group
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
-from autopar.plan.launch import plan_launch
 from autopar.runtime.profiling import StepProfiler
 from autopar.runtime.run_log import RunLog, archive_logs
 
@@ -192,9 +191,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
         click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
                    err=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.devices:
-        raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                        f"running; launch with {plan_launch(plan.devices, plan.cluster)}")
+    plan.check_world_size(world)
     _refuse_unasked_overwrite(directory, resume, bool(training["overwrite"]))
     if not resume and int(os.environ.get("RANK", "0")) == 0:
         # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
@@ -375,11 +372,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
         tok = load_hf_tokenizer(tokenizer)
     ids = read_prompts(prompts, tok)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.devices:
-        launch = plan_launch(plan.devices, plan.cluster) if plan.devices > 1 else \
-            "one process, without torchrun"
-        raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                        f"running; launch with {launch}")
+    plan.check_world_size(world)
     program = _program(directory, manifest, plan, needs=("build_mesh", "parallelize",
                                                          "generate"))
     kind = _device_type(plan.cluster, device)

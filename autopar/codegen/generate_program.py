@@ -27,7 +27,6 @@ from autopar.codegen.program import (
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
 from autopar.plan.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
-from autopar.runtime.parallelize import plan_precision
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 GENERATE_FILE = "generate.py"
@@ -86,7 +85,7 @@ def _header(w: _Writer, plan: Plan, model_name: str) -> None:
     w.blank()
     w.line(f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}), tp innermost"
            + ("; each data-parallel replica serves every dp-th prompt" if m["dp"] > 1 else ""))
-    seq = next(iter(plan.model["inputs"].values()))[-1]
+    seq = plan.seq
     w.line(f"planned for {plan.global_batch} concurrent sequences of {int(seq)} tokens; each prompt "
            f"runs once (prefill),")
     w.line("then one token at a time reads every earlier key and value from the KV cache")
@@ -140,7 +139,7 @@ def _mesh(w: _Writer, plan: Plan) -> None:
     m = plan.mesh
     w.line(f"MESH = {{\"pp\": {m['pp']}, \"dp\": {m['dp']}, \"ep\": {m['ep']}, "
            f"\"tp\": {m['tp']}}}")
-    compute = plan_precision(plan).compute
+    compute = plan.training_precision.compute
     w.line("AUTOCAST = " + ("None  # fp32 throughout" if compute == "fp32"
                             else f"torch.{TORCH_DTYPE_NAMES[compute]}  # autocast's compute dtype"))
     w.blank(2)
@@ -201,8 +200,8 @@ def _cache(w: _Writer, plan: Plan, model, layout: TensorParallelLayout | None) -
             owners[rank] = owners.get(rank, 0) + 1
     layers = max(owners.values()) if owners else config.num_hidden_layers
     batch = max(1, plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"]))
-    seq = next(iter(plan.model["inputs"].values()))[-1]
-    precision = plan_precision(plan).compute
+    seq = plan.seq
+    precision = plan.training_precision.compute
     size = 2 * layers * batch * local * seq * head_dim * DTYPE_BYTES[precision]
     w.line(f"# per rank: [batch, {local}, max_len, {head_dim}] in each of "
            + (f"its layers (at most {layers} of {config.num_hidden_layers})" if pp > 1

@@ -28,12 +28,10 @@ from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
 from autopar.plan.precision import TORCH_DTYPE_NAMES
 from autopar.runtime.expert_parallel import experts_use_ddp
-from autopar.runtime.parallelize import data_parallel_wrapper, plan_precision
 from autopar.runtime.style_spec import StyleSpec
 from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 PROGRAM_FILE = "train.py"
-_LAYERLESS = ("head", "tail", "root")
 
 
 def program_text(plan: Plan, source: dict, *, model_name: str = "",
@@ -68,7 +66,7 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
         layout = tensor_parallel_layout(model, plan, traced=m["pp"] > 1,
                                         whole_logits=whole_logits)
     layers = [n for n in layer_names(plan)]
-    seq = next(iter(plan.model["inputs"].values()))[-1]
+    seq = plan.seq
     w = _Writer()
     _header(w, plan, source, model_name or type(model).__name__,
             layout.styles if layout is not None else None)
@@ -78,9 +76,8 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     if layout is not None:
         _tensor_parallel_tables(w, layout, layers)
         _logits_statement(w, layout, layers, whole_logits)
-    recompute = {b["name"]: mode for b, mode in zip(plan.model["blocks"], plan.recompute,
-                                                      strict=True)
-                 if mode != "none" and b["name"] not in _LAYERLESS}
+    recompute = {b.name: mode for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
+                 if mode != "none" and b.is_layer}
     w.line("# the repeated layers: each its own recompute and fully_shard unit")
     w.line(f"LAYERS = {_list(layers)}")
     w.line(f"RECOMPUTE = {_dict(recompute)}  # layer -> full | selective | op")
@@ -226,8 +223,8 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     w.line("import torch")
     if plan.devices > 1:
         w.line("from torch.distributed.device_mesh import init_device_mesh")
-    if data_parallel_wrapper(plan) == "fully_shard" and m["ep"] == 1:
-        offload = {"optimizer", "params"} & set(plan.offload)
+    if plan.data_parallel_wrapper == "fully_shard" and m["ep"] == 1:
+        offload = plan.offloads_state
         w.line("from torch.distributed.fsdp import "
                + ("CPUOffloadPolicy" if offload else "OffloadPolicy")
                + ", MixedPrecisionPolicy, fully_shard")
@@ -298,7 +295,7 @@ def _peft(w: _Writer, plan: Plan) -> None:
         w.line(f"    {key!r}: {value!r},")
     w.line("}")
     w.blank(2)
-    held = plan_precision(plan).param
+    held = plan.training_precision.param
     w.line("def adapt(model):")
     w.line('    """Apply the fine-tuning method, on meta, before the model is laid out."""')
     if held == "fp32":
@@ -318,10 +315,10 @@ def _peft(w: _Writer, plan: Plan) -> None:
 def _mesh(w: _Writer, plan: Plan) -> None:
     m = plan.mesh
     shape = (m["pp"], m["dp"], m["ep"], m["tp"])
-    offload = bool({"optimizer", "params"} & set(plan.offload))
+    offload = plan.offloads_state
     w.line(f"MESH = {{\"pp\": {m['pp']}, \"dp\": {m['dp']}, \"ep\": {m['ep']}, "
            f"\"tp\": {m['tp']}}}")
-    p = plan_precision(plan)
+    p = plan.training_precision
     w.line(f"# precision: {p.compute} compute, {p.param} parameters as computed with, "
            f"{p.reduce} gradient reductions; fp32 master weights and optimizer states")
     w.line("AUTOCAST = " + ("None  # fp32 throughout" if p.compute == "fp32"
@@ -399,9 +396,9 @@ def _recompute_statements(w: _Writer, target: str, pipeline: bool) -> None:
 
 
 def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
-    offload = sorted({"optimizer", "params"} & set(plan.offload))
+    offload = plan.state_offloads
     reshard = plan.zero_stage == 3
-    kind = data_parallel_wrapper(plan)
+    kind = plan.data_parallel_wrapper
     if kind != "fully_shard":
         return
     what = {3: "each layer's parameters gathered for its forward and its backward",
@@ -417,7 +414,7 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
         w.line("    ap.use_host_cores()  # the host's AdamW step: this rank's share of its cores")
     else:
         w.line("    policy = OffloadPolicy()")
-    p = plan_precision(plan)
+    p = plan.training_precision
     if p.param == "fp32" and p.reduce == "fp32":
         w.line("    mp = MixedPrecisionPolicy()  # fp32")
     else:
@@ -488,7 +485,7 @@ def _replicate(w: _Writer, plan: Plan) -> None:
     w.blank(2)
     w.line("def replicate(model, mesh, plan):")
     w.line('    """After the weights exist: data-parallel replicas (ZeRO-0/1)."""')
-    kind = data_parallel_wrapper(plan)
+    kind = plan.data_parallel_wrapper
     if plan.mesh["ep"] > 1:
         w.line("    return ap.replicate_experts(model, mesh, plan)")
     elif kind == "ddp" and plan.mesh["pp"] > 1:
@@ -506,7 +503,7 @@ def _replicate(w: _Writer, plan: Plan) -> None:
 def _optimizer(w: _Writer, plan: Plan) -> None:
     w.blank(2)
     w.line("def build_optimizer(param_groups, mesh, hp):")
-    zero1 = data_parallel_wrapper(plan) == "ddp" and plan.zero_stage == 1 and \
+    zero1 = plan.data_parallel_wrapper == "ddp" and plan.zero_stage == 1 and \
         plan.mesh["ep"] == 1
     doc = ("hp: the run's settings (autopar run --lr, --betas, --eps); each group carries its "
            "weight decay")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.engines import TORCH_FSDP_ENGINES
 from autopar.cost.precision import state_bytes
+from autopar.plan.offload import STATE_OFFLOADS
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
@@ -105,7 +106,6 @@ def inflight_microbatches(schedule: str, pp: int, stage: int, num_microbatches: 
 # exp_avg_sq.mul_ then addcmul_ (8 + 12), sqrt, div and add_ of the denominator (3 x 8) and
 # param.addcdiv_ (12 + 4): 80 bytes of DRAM traffic per parameter, memory-bound on the host
 HOST_ADAMW_BYTES_PER_PARAM = 80.0
-STATE_OFFLOAD = frozenset({"optimizer", "params"})
 
 
 def optimizer_step_time(memory: MemoryBreakdown, device: DeviceSpec,
@@ -142,9 +142,9 @@ def host_states(offload: frozenset[str] | set[str], engine: str, train: bool = T
     if not train:
         return frozenset({"params"}) & frozenset(offload)
     if engine == "autopar":
-        return frozenset({"params", "grads", "optimizer"}) if STATE_OFFLOAD & set(offload) \
+        return frozenset({"params", "grads", "optimizer"}) if STATE_OFFLOADS & set(offload) \
             else frozenset()
-    return frozenset(offload) & STATE_OFFLOAD
+    return frozenset(offload) & STATE_OFFLOADS
 
 
 def _fully_sharded(config: ParallelConfig, mem: MemoryBreakdown, blocks: list

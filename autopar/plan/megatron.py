@@ -37,7 +37,7 @@ def megatron_args(plan: Plan) -> list[str]:
     """Megatron-LM's ``pretrain_gpt.py`` arguments for ``plan``."""
     refuse_op_recompute(plan, "Megatron-LM")
     m = plan.mesh
-    layers = sum(1 for b in plan.model["blocks"] if b["name"] not in ("head", "tail", "root"))
+    layers = len(plan.layers)
     args = ["--tensor-model-parallel-size", str(m["tp"]),
             "--pipeline-model-parallel-size", str(m["pp"]),
             "--micro-batch-size", str(plan.microbatch_size),
@@ -56,8 +56,8 @@ def megatron_args(plan: Plan) -> list[str]:
         args += ["--num-virtual-stages-per-pipeline-rank", str(plan.virtual_stages),
                  "--account-for-embedding-in-pipeline-split",
                  "--account-for-loss-in-pipeline-split"]
-    per_stage = [sum(1 for b in plan.model["blocks"][start:end]
-                     if b["name"] not in ("head", "tail", "root")) for start, end in plan.stages]
+    per_stage = [sum(1 for b in plan.model.blocks[start:end] if b.is_layer)
+                 for start, end in plan.stages]
     if m["pp"] > 2 and len(set(per_stage[1:-1])) == 1 and (
             per_stage[0] != per_stage[1] or per_stage[-1] != per_stage[1]):
         # uneven first and last stages (the middle ones even): Megatron-Core's own flags
@@ -65,8 +65,8 @@ def megatron_args(plan: Plan) -> list[str]:
                  "--decoder-last-pipeline-num-layers", str(per_stage[-1])]
     if plan.sequence_parallel and m["tp"] > 1:
         args.append("--sequence-parallel")
-    modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
-             if b["name"] not in ("head", "tail", "root")}
+    modes = {mode for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
+             if b.is_layer}
     if modes == {"full"}:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
@@ -87,11 +87,10 @@ def megatron_args(plan: Plan) -> list[str]:
         args.append("--overlap-grad-reduce")
         if plan.zero_stage >= 1:
             args.append("--overlap-param-gather")  # the distributed optimizer's gather
-    compute = (plan.precision or {}).get("compute", "fp32")
+    compute = plan.training_precision.compute
     if compute in ("bf16", "fp16"):
         args.append(f"--{compute}")
-    seq = next(iter(plan.model["inputs"].values()))[-1]
-    shape = {"num_layers": layers, "seq_length": seq, **(plan.model.get("shape") or {})}
+    shape = {"num_layers": layers, "seq_length": plan.seq, **(plan.model.shape or {})}
     for key, flag in _SHAPE:
         if key in shape:
             args += [flag, str(shape[key])]
@@ -110,8 +109,8 @@ def megatron_command(plan: Plan, gpus_per_node: int = 8) -> str:
     if plan.zero_stage >= 2 and plan.engine != "megatron-core":
         notes.append(f"ZeRO-{plan.zero_stage} in the plan: Megatron's distributed optimizer "
                      f"shards optimizer states only")
-    layer_modes = {mode for b, mode in zip(plan.model["blocks"], plan.recompute, strict=True)
-                   if b["name"] not in ("head", "tail", "root")}
+    layer_modes = {mode for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
+                   if b.is_layer}
     if "selective" in layer_modes and len(layer_modes) > 1:
         notes.append("the plan recomputes some layers selectively: Megatron-LM's selective "
                      "granularity covers every layer")

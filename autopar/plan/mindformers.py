@@ -153,9 +153,8 @@ def mindformers_yaml(plan: Plan) -> dict:
     """The parallel sections of a MindFormers training YAML for ``plan``."""
     refuse_op_recompute(plan, "MindFormers")
     m = plan.mesh
-    layers = [(b["name"], mode) for b, mode in zip(plan.model["blocks"], plan.recompute,
-                                                    strict=True)
-              if b["name"] not in ("head", "tail", "root")]
+    layers = [(b.name, mode) for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
+              if b.is_layer]
     modes = {mode for _, mode in layers}
     out = {
         "parallel_config": {"data_parallel": m["dp"] * m["ep"], "model_parallel": m["tp"],

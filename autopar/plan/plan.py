@@ -14,6 +14,7 @@ from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
 from autopar.plan.launch import plan_launch
 from autopar.plan.model_facts import ModelFacts
+from autopar.plan.offload import STATE_OFFLOADS
 from autopar.plan.placement import Placement, parse_placements
 from autopar.plan.precision import FP32, Precision
 from autopar.plan.schema import check_plan_file
@@ -25,9 +26,6 @@ PLAN_VERSION = 3
 # robustness checks. Both still load, and the report says what is missing
 READABLE_VERSIONS = (1, 2, 3)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-# the offloads that move model state (parameters, gradients, optimizer states) to the host;
-# "activations" moves only what the backward reads
-STATE_OFFLOADS = frozenset({"optimizer", "params"})
 
 # Plan.report's renderer. The report package reads plans (report -> plan), so plan/ must not
 # import it; instead autopar.report registers its ``render`` here when it is imported (autopar's

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.engines import MEGATRON_ENGINES
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
+from autopar.plan.offload import STATE_OFFLOADS
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
     from autopar.plan.plan import Plan
 
-_STATE_OFFLOAD = frozenset({"optimizer", "params"})
 # whether autopar's runtime runs context parallelism (cp > 1): not yet (a later version runs
 # ring attention); a plan with cp > 1 is priced and reported, and refused when run
 RUNTIME_RUNS_CP = False
@@ -107,7 +107,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return (f"ZeRO-{zero_stage} with tensor parallelism (the runtime shards DTensor "
                 f"parameters with fully_shard: constraints zero_stage=2)")
     # FSDP2 offloads the sharded states: with several replicas that is ZeRO-2/3
-    if offload & _STATE_OFFLOAD and replicas > 1 and zero_stage < 2 and ep == 1:
+    if offload & STATE_OFFLOADS and replicas > 1 and zero_stage < 2 and ep == 1:
         return (f"offloading the optimizer or parameters with ZeRO-{zero_stage} (FSDP2 offloads "
                 f"sharded states: constraints zero_stage=2)")
     return None

@@ -11,6 +11,7 @@ otherwise surface as an IndexError on every rank. Here: what the plan alone can 
 from __future__ import annotations
 
 from autopar.errors import PlanError
+from autopar.plan.placement import Placement
 
 FIX = "restore the entry or re-plan with autopar compile"
 
@@ -28,7 +29,7 @@ def module_params(params: dict, path: str) -> dict[str, str]:
 def _split_over_tp(placement: str) -> bool:
     """Whether a placement splits its parameter over tp (kv-head replication keeps it
     whole but cuts its output per rank, so it counts too)."""
-    return ("Shard(" in placement and "@tp" in placement) or "(kv-heads)" in placement
+    return Placement.parse(placement).splits_over_tp
 
 
 def validate_tp_entries(placements: dict, tp: int, where: str = "plan") -> None:

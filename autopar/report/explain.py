@@ -62,7 +62,7 @@ def block_explain(plan: Plan, key: str) -> dict:
     ex = _needs_explain(plan)
     block = plan.model["blocks"][index]
     t = ex["block_types"][str(block["type"])]
-    if block["name"] in ("head", "tail"):  # no module of its own: its ops' modules
+    if not plan.model.blocks[index].is_layer:  # no module of its own: its ops' modules
         prefixes = tuple(f"{v['module']}." for v in t["nodes"].values()
                          if v["kind"] in _HAS_PARAMS and v["module"])
     else:
@@ -88,10 +88,10 @@ def node_explain(plan: Plan, name: str) -> dict:
     blocks = plan.model.get("blocks", [])
     matches = []
     for type_id, t in ex["block_types"].items():
-        firsts = [b["name"] for b in blocks if str(b["type"]) == type_id]
+        firsts = [b.name for b in plan.model.blocks if str(b.type) == type_id and b.is_layer]
         for node, v in t["nodes"].items():
             module = v["module"]
-            absolute = {f"{b}.{module}" for b in firsts if b not in ("head", "tail")}
+            absolute = {f"{b}.{module}" for b in firsts}
             if name in (node, module) or name in absolute:
                 matches.append({"node": node, "type": int(type_id), "first": t["first"], **v})
     if not matches:

@@ -19,7 +19,6 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
 from autopar.plan.tp_entries import FIX
 from autopar.runtime.expert_parallel import check_expert_parallel
@@ -98,9 +97,7 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     refuse_unsupported(plan)
     check_expert_parallel(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != plan.devices:
-        raise PlanError(f"the plan is for {plan.devices} devices but {world} processes are "
-                        f"running; launch with {plan_launch(plan.devices, plan.cluster)}")
+    plan.check_world_size(world)
     if plan.mesh["pp"] > 1 and (example is None or loss_fn is None):
         raise PlanError("the plan has pipeline stages: pass example= (one micro-batch of "
                         "inputs) and loss_fn=(output, target) to autopar.parallelize")

@@ -195,8 +195,7 @@ def experts_use_ddp(plan: Plan) -> bool:
     pipeline, an all-reduce after the schedule's step) rather than fully_shard: ZeRO-0/1
     without tensor parallelism or offload (ZeRO-1 then shards the optimizer states:
     :mod:`autopar.runtime.expert_zero`)."""
-    offload = {"optimizer", "params"} & set(plan.offload)
-    return plan.zero_stage <= 1 and not offload and plan.mesh["tp"] == 1
+    return plan.zero_stage <= 1 and not plan.offloads_state and plan.mesh["tp"] == 1
 
 
 def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
@@ -211,9 +210,9 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
 
     dp, ep = plan.mesh["dp"], plan.mesh["ep"]
     dense = dense_mesh(mesh)
-    offload = {"optimizer", "params"} & set(plan.offload)
     reshard = plan.zero_stage == 3
-    policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if offload else OffloadPolicy()
+    policy = CPUOffloadPolicy(pin_memory=_has_accelerator()) if plan.offloads_state else \
+        OffloadPolicy()
     mp = mixed_precision_policy(plan)
     for module in experts:
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard,

@@ -55,12 +55,11 @@ def stage_owners(plan: Plan) -> dict[str, int]:
     from autopar.runtime.pipeline import chunk_ranges
 
     pp = plan.mesh["pp"]
-    blocks = [b["name"] for b in plan.model["blocks"]]
     owners = {}
     for chunk, (start, end) in enumerate(chunk_ranges(plan)):
-        for name in blocks[start:end]:
-            if name not in ("head", "tail", "root"):
-                owners[name] = chunk % pp
+        for block in plan.model.blocks[start:end]:
+            if block.is_layer:
+                owners[block.name] = chunk % pp
     return owners
 
 

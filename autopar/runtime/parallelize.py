@@ -108,12 +108,9 @@ def data_parallel_wrapper(plan: Plan) -> str:
     """"fully_shard", "ddp" or "none": which wrapper the plan's data parallelism uses. DDP for
     ZeRO-0/1 (1 adds a sharded optimizer), fully_shard for ZeRO-2 (parameters kept gathered
     from the forward to the end of the backward) and ZeRO-3, and for offload (with one device
-    too). The generated program states it; the runtime applies it."""
-    if {"optimizer", "params"} & set(plan.offload):
-        return "fully_shard"
-    if plan.mesh["dp"] == 1:
-        return "none"
-    return "ddp" if plan.zero_stage <= 1 else "fully_shard"
+    too). The generated program states it; the runtime applies it: :attr:`Plan.
+    data_parallel_wrapper`."""
+    return plan.data_parallel_wrapper
 
 
 def data_parallel_kind(plan: Plan, dp_mesh: DeviceMesh | None) -> str:
@@ -129,10 +126,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def plan_precision(plan: Plan):
-    """The plan's Precision (fp32 when the plan records none)."""
-    from autopar.cost.precision import FP32, Precision
-
-    return Precision.from_dict(plan.precision) if plan.precision else FP32
+    """The plan's Precision (fp32 when the plan records none): :attr:`Plan.
+    training_precision`."""
+    return plan.training_precision
 
 
 def mixed_precision_policy(plan: Plan):

@@ -19,25 +19,10 @@ from autopar.runtime.traced_stage import drop_metadata_asserts
 if TYPE_CHECKING:
     from autopar.runtime.hf_weights import HFCheckpoint
 
-_LAYERLESS = ("head", "tail", "root")
-
-
 def chunk_ranges(plan: Plan) -> list[tuple[int, int]]:
     """Block ranges of the pipeline chunks: the plan's stages, each cut in ``virtual_stages``
-    parts for the interleaved schedule (chunk c runs on rank c % pp)."""
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    out = []
-    for start, end in plan.stages:
-        n = end - start
-        if n < v:
-            raise PlanError(f"stage {start}-{end} has fewer blocks than virtual_stages={v}")
-        cuts = [start + (n * k) // v for k in range(v + 1)]
-        out.extend((cuts[k], cuts[k + 1]) for k in range(v))
-    if v > 1:  # chunk order: rank r holds chunks r, r + pp, ... of the model's sequence
-        pp = len(plan.stages)
-        out = [out[r * v + k] for k in range(v) for r in range(pp)]
-        out.sort()
-    return out
+    parts for the interleaved schedule (chunk c runs on rank c % pp): :meth:`Plan.chunk_ranges`."""
+    return plan.chunk_ranges()
 
 
 def split_spec(plan: Plan, chunks: list[tuple[int, int]], model: nn.Module | None = None
@@ -48,13 +33,14 @@ def split_spec(plan: Plan, chunks: list[tuple[int, int]], model: nn.Module | Non
     layer before it (which must not itself start a chunk)."""
     from torch.distributed.pipelining import SplitPoint
 
-    blocks = [b["name"] for b in plan.model["blocks"]]
+    blocks = plan.model.block_names
+    layers = set(plan.layers)
     spec = {}
     for start, _ in chunks[1:]:
         name = blocks[start]
-        if name not in _LAYERLESS:
+        if name in layers:
             spec[name] = SplitPoint.BEGINNING
-        elif name == "tail" and blocks[start - 1] not in _LAYERLESS:
+        elif name == "tail" and blocks[start - 1] in layers:
             first = _first_tail_module(model, blocks[start - 1]) if model is not None else None
             if first is not None:
                 spec[first] = SplitPoint.BEGINNING

@@ -48,7 +48,7 @@ SHARD_SEQ = shard(SEQ)
 
 def layer_names(plan: Plan) -> list[str]:
     """Module paths of the plan's repeated layers, in model order."""
-    return [b["name"] for b in plan.model["blocks"] if b["name"] not in ("head", "tail", "root")]
+    return plan.layers
 
 
 def tied_modules(model: nn.Module) -> set[str]:
@@ -165,15 +165,15 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
     (tied weights stay replicated: one Parameter cannot carry two layouts)."""
     present = dict(model.named_modules())
     out = {}
-    for fqn, placement in plan.placements["params"].items():
-        if not fqn.endswith(".weight") or "@tp" not in placement:
+    for fqn, placement in plan.param_placements().items():
+        if not fqn.endswith(".weight") or not placement.splits_over_tp:
             continue
         path = fqn[: -len(".weight")]
         if path in tied or path not in present:
             continue
         # the stored weight's output-feature dimension: 0 for nn.Linear, 1 for Conv1D
-        out[path] = "kv" if "(kv-heads)" in placement else \
-            "col" if placement.startswith(f"Shard({output_dim(present[path])})") else "row"
+        out[path] = "kv" if placement.kv_heads else \
+            "col" if placement.tp_dim == output_dim(present[path]) else "row"
     return out
 
 
@@ -268,8 +268,8 @@ def _head_split(model: nn.Module, plan: Plan) -> list[str]:
     from autopar.peft import is_prefix_param
 
     present = dict(model.named_modules())
-    return sorted({fqn.rpartition(".")[0] for fqn, placement in plan.placements["params"].items()
-                   if is_prefix_param(fqn) and "@tp" in placement
+    return sorted({fqn.rpartition(".")[0] for fqn, placement in plan.param_placements().items()
+                   if is_prefix_param(fqn) and placement.splits_over_tp
                    and fqn.rpartition(".")[0] in present})
 
 

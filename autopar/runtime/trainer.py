@@ -18,7 +18,6 @@ from torch.profiler import record_function
 from autopar.errors import PlanError
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
-from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
 from autopar.runtime.apply import check_module_paths, check_tp_entries
 from autopar.runtime.expert_parallel import (
@@ -88,10 +87,7 @@ class Trainer:
                  init_from: str | Path | None = None) -> None:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != plan.devices:
-            raise PlanError(f"the plan is for {plan.devices} devices but {world} processes "
-                            f"are running; launch with "
-                            f"{plan_launch(plan.devices, plan.cluster)} (or re-plan for {world})")
+        plan.check_world_size(world)
         check_expert_parallel(plan)
         hyper = hyper or Hyperparameters()
         if lr is not None:  # a shorthand for the most common setting
@@ -128,7 +124,7 @@ class Trainer:
             self.data = open_samples(data, self.task)
         else:
             self.vocab = _vocab(model, plan)
-            self.seq = next(iter(plan.model["inputs"].values()))[1]
+            self.seq = plan.seq
             from autopar.runtime.dataset import open_source
 
             # bad data fails before any parallel setup

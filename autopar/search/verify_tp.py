@@ -25,8 +25,6 @@ from autopar.capture.layer_graph import (
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-_LAYERLESS = ("head", "tail", "root")
-
 
 def model_and_inputs(model: object, example_inputs: object) -> tuple[nn.Module, tuple] | None:
     """The nn.Module behind what ``autopar.plan`` was given, with example inputs, when it can
@@ -53,10 +51,9 @@ def tensor_parallel_refusal(model: nn.Module, inputs: tuple, plan: Plan
         return None
     present = dict(model.named_modules())
     layers = {}
-    for block in plan.model["blocks"]:
-        name = block["name"]
+    for name in plan.layers:
         layer = present.get(name)
-        if name in _LAYERLESS or layer is None or not runs_from_graph(layer):
+        if layer is None or not runs_from_graph(layer):
             continue
         if shard_dims(plan.placements["params"], name):
             layers[name] = layer
