@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from autopar.cli.common import init_process_group
+from autopar.cli.run_options import RunOptions
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
 from autopar.runtime.profiling import StepProfiler
 from autopar.runtime.run_log import RunLog, archive_logs
@@ -123,11 +124,7 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
               help="With --generate: a Hugging Face tokenizer folder for text prompts and "
                    "output.")
 @training_options
-def run_cmd(directory: str, steps: int, data: str, seed: int,
-            device: str | None, checkpoint_every: int, resume: bool,
-            init_from: str | None, serving: bool, prompts: str | None, max_new_tokens: int,
-            sample: bool, temperature: float, top_k: int | None, top_p: float | None,
-            eos_token_id: int | None, tokenizer: str | None, **training: object) -> None:
+def run_cmd(**params: object) -> None:
     """Train the artifact in DIRECTORY with its program (DIR/train.py): a console line per
     step (loss, learning rate, tokens/s, MFU, memory, ETA) and one JSON line per step in
     DIR/logs/train.jsonl (TensorBoard events in DIR/logs/tensorboard when tensorboard is
@@ -152,26 +149,27 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
       autopar run SERVE_DIR --generate --prompts prompts.jsonl --max-new-tokens 64
       torchrun --nproc-per-node 2 -m autopar run SERVE_DIR --generate --prompts p.jsonl --sample
     """
+    run(RunOptions.from_click(params))
 
 
+def run(options: RunOptions) -> None:
+    """``autopar run`` for parsed options: serve or train the artifact."""
     from autopar.codegen import load_artifact
     from autopar.errors import PlanError
 
+    directory, steps, resume, training = options.directory, options.steps, options.resume, \
+        options.training
     manifest, plan = load_artifact(directory)
     from autopar.plan.support import refuse_unsupported
 
     refuse_unsupported(plan)  # before any program is (re)generated
-    if serving or plan.task == "infer":
-        if resume or init_from:
+    if options.serving or plan.task == "infer":
+        if resume or options.init_from:
             raise PlanError("--resume and --init-from are for training; --generate serves the "
                             "artifact's latest checkpoint: drop them")
-        options = dict(max_new_tokens=max_new_tokens, do_sample=sample,
-                       temperature=temperature, top_k=top_k, top_p=top_p,
-                       eos_token_id=eos_token_id, seed=seed)
-        _serve(directory, manifest, plan, device, prompts, tokenizer, options,
-               int(training["timeout_s"]))
+        _serve(options, manifest, plan)
         return
-    if prompts is not None:
+    if options.generation.prompts is not None:
         raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
                         f"with --task infer; {directory} trains (task {plan.task})")
     hyper = hyperparameters(training)  # bad settings fail before any process group
@@ -187,7 +185,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
     elif training["eval_every"]:
         raise PlanError("--eval-every needs --eval PATH|synthetic: the held-out data")
     program = _program(directory, manifest, plan)
-    if resume and init_from and int(os.environ.get("RANK", "0")) == 0:
+    if resume and options.init_from and int(os.environ.get("RANK", "0")) == 0:
         click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
                    err=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -197,7 +195,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
         # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
         # start writing: the others wait for rank 0 in the process group's start)
         archive_logs(Path(directory) / "logs")
-    kind = _device_type(plan.cluster, device)
+    kind = _device_type(plan.cluster, options.device)
     if kind != "cpu":  # this process's accelerator, before any collective needs it
         import torch
 
@@ -206,11 +204,10 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
                             f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        init_process_group(_BACKENDS[kind], int(training["timeout_s"]))
+        init_process_group(_BACKENDS[kind], options.timeout_s)
     finished = False
     try:
-        _train(directory, manifest, plan, program, kind, world, steps, data, seed, hyper,
-               held, window, resume, init_from, checkpoint_every, training)
+        _train(options, manifest, plan, program, kind, world, hyper, held, window)
         finished = True
     finally:
         # _train has returned: its trainer and model are unreferenced, so _teardown's
@@ -218,11 +215,12 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
         _teardown(world, finished)
 
 
-def _train(directory: str, manifest: dict, plan, program, kind: str, world: int, steps: int,
-           data: str, seed: int, hyper, held, window: tuple[int, int] | None, resume: bool,
-           init_from: str | None, checkpoint_every: int, training: dict) -> None:
+def _train(options: RunOptions, manifest: dict, plan, program, kind: str, world: int, hyper,
+           held, window: tuple[int, int] | None) -> None:
     """The run between process-group start and teardown: build the trainer, train, report
     on rank 0. A lost peer or a failing step becomes one RunFailure line."""
+    directory, steps, resume, training = options.directory, options.steps, options.resume, \
+        options.training
     from pathlib import Path
 
     import torch.distributed as dist
@@ -234,9 +232,9 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     rank = int(os.environ.get("RANK", "0"))
     run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
                      every=int(training["log_every"]), resume=resume) if rank == 0 else None
-    trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=seed,
-                      hyper=hyper, log=run_log, data=data,
-                      init_from=None if resume else init_from)
+    trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=options.seed,
+                      hyper=hyper, log=run_log, data=options.data,
+                      init_from=None if resume else options.init_from)
     evaluate = _evaluator(held, trainer)  # held-out data checked before any step
     profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
         if window is not None else None
@@ -245,7 +243,7 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
         trainer.resume(ckpt)
     try:
         losses = trainer.train(steps, checkpoint_dir=ckpt,
-                               checkpoint_every=checkpoint_every, evaluate=evaluate,
+                               checkpoint_every=options.checkpoint_every, evaluate=evaluate,
                                eval_every=int(training["eval_every"]), profiler=profiler,
                                keep_last=int(training["keep_last"]),
                                final_save=bool(training["final_save"]))
@@ -344,10 +342,12 @@ def _evaluator(held, trainer):
     return lambda t: evaluate(t, held, data)
 
 
-def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: str | None,
-           tokenizer: str | None, options: dict, timeout_s: int = 600) -> None:
+def _serve(given: RunOptions, manifest: dict, plan) -> None:
     """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
     (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
+    directory, prompts, tokenizer = given.directory, given.generation.prompts, \
+        given.generation.tokenizer
+    options = given.generation.decoding(given.seed)
 
     from autopar.cli.generate_cmd import print_generated, read_prompts
     from autopar.errors import PlanError
@@ -375,7 +375,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
     plan.check_world_size(world)
     program = _program(directory, manifest, plan, needs=("build_mesh", "parallelize",
                                                          "generate"))
-    kind = _device_type(plan.cluster, device)
+    kind = _device_type(plan.cluster, given.device)
     if kind != "cpu":
         import torch
 
@@ -384,7 +384,7 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
                             f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        init_process_group(_BACKENDS[kind], timeout_s)
+        init_process_group(_BACKENDS[kind], given.timeout_s)
     finished = False
     try:
         model = serving_model(directory, run_device(kind))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -18,9 +19,10 @@ from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.placements import placements
-from autopar.search.planner import Progress, SearchResult, search
+from autopar.search.planner import SearchResult, search
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
+from autopar.search.spec import PlanSpec, Progress, SearchOptions, SearchProblem
 
 TASKS = ("train", "finetune", "infer")
 
@@ -61,11 +63,19 @@ def plan(
     ``global_batch`` whose decoding step stays within the bound. Raises
     :class:`autopar.InfeasibleError` when nothing fits, naming the bound and the way out.
     """
-    plan_args = dict(model=model, example_inputs=example_inputs, devices=devices,
-                     cluster=cluster, task=task, global_batch=global_batch,
-                     constraints=constraints, memory_limit_gb=memory_limit_gb,
-                     time_limit_s=time_limit_s, progress=progress, seq=seq, peft=peft,
-                     max_token_latency_ms=max_token_latency_ms)
+    return plan_from_spec(PlanSpec(
+        model=model, example_inputs=example_inputs, devices=devices, cluster=cluster,
+        task=task, global_batch=global_batch, constraints=constraints,
+        memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s, progress=progress,
+        seq=seq, peft=peft, max_token_latency_ms=max_token_latency_ms))
+
+
+def plan_from_spec(spec: PlanSpec) -> Plan:
+    """:func:`plan` for a request already gathered into a :class:`PlanSpec`."""
+    model, example_inputs, devices, task = spec.model, spec.example_inputs, spec.devices, \
+        spec.task
+    global_batch, constraints, memory_limit_gb = spec.global_batch, spec.constraints, \
+        spec.memory_limit_gb
     if task not in TASKS:
         raise PlanError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if not isinstance(devices, int) or devices < 1:
@@ -77,8 +87,8 @@ def plan(
         _check_stated_batch(pins, global_batch)
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
-    hw = load_cluster(cluster)
-    graph = model_graph(model, example_inputs, task, pins, seq, peft)
+    hw = load_cluster(spec.cluster)
+    graph = model_graph(model, example_inputs, task, pins, spec.seq, spec.peft)
     capacity = (memory_limit_gb * 1e9 if memory_limit_gb is not None
                 else hw.device.usable_memory_bytes)
     if capacity <= 0:
@@ -107,19 +117,20 @@ def plan(
                                           decode=task == "infer")
     else:  # Megatron, DeepSpeed and torchtitan split every block as Megatron does
         layouts, sharding = {}, []
+    problem = SearchProblem(graph=graph, facts=facts, cluster=hw, devices=devices, task=task,
+                            global_batch=global_batch, pins=pins, capacity=capacity,
+                            defaults=defaults, layouts=layouts)
     if task == "infer":
         from autopar.search.serving import serving_plan_search
 
-        result, global_batch = serving_plan_search(
-            graph, facts, hw, devices, global_batch, pins, capacity, defaults, layouts,
-            max_token_latency_ms, progress)
+        result, global_batch = serving_plan_search(problem, spec.max_token_latency_ms,
+                                                   spec.progress)
     else:
-        if max_token_latency_ms is not None:
+        if spec.max_token_latency_ms is not None:
             raise PlanError("max_token_latency_ms bounds a serving plan's decoding step: it "
                             "needs task='infer'")
-        result = search(graph, facts, hw, devices, task, global_batch, pins, capacity,
-                        time_limit_s=time_limit_s, progress=progress, defaults=defaults,
-                        layouts=layouts)
+        result = search(problem, SearchOptions(time_limit_s=spec.time_limit_s,
+                                               progress=spec.progress))
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
     if task == "infer":
         from autopar.search.serving import max_concurrency
@@ -143,8 +154,7 @@ def plan(
         if pinned:
             stated = ", ".join(f"{k}={v}" for k, v in pinned.items())
             raise PlanError(f"{stated} does not run on this model ({reason})")
-        replan = plan_args | {"constraints": [constraints or {}, avoid]}
-        plan = globals()["plan"](**replan)
+        plan = plan_from_spec(replace(spec, constraints=[constraints or {}, avoid]))
         plan.solver["tensor_parallel_refused"] = reason
     return plan
 

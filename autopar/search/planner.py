@@ -18,7 +18,6 @@ overlap halved (its worst of the two), and records both the fastest and the choi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.config import ParallelConfig, TPLayouts
@@ -40,10 +39,9 @@ from autopar.search.space import (
     legal_meshes,
     offload_choices,
 )
+from autopar.search.spec import SearchOptions, SearchProblem
 from autopar.search.stage_pins import pinned_stages
 from autopar.search.stages import best_partition
-
-Progress = Callable[[float, str], None]
 
 
 @dataclass(order=True)
@@ -189,18 +187,16 @@ def sequence_parallel_possible(graph: Graph, facts: ModelFacts,
     return False
 
 
-def search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
-           global_batch: int, pins: dict, capacity: float, time_limit_s: float | None = None,
-           progress: Progress | None = None, keep: int = 5,
-           defaults: dict | None = None,
-           layouts: dict[int, TPLayouts] | None = None) -> SearchResult:
-    """Best plan under the cost model; raises InfeasibleError when nothing fits.
-
-    ``pins`` fixes any of pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage,
-    recompute, offload, schedule, sequence_parallel; ``defaults`` sets the remaining
-    ParallelConfig fields (precision, engine, vocab_parallel); ``layouts`` are the
-    per-op tensor-parallel layouts per degree (:func:`autopar.search.sharding.solve_layouts`).
-    """
+def search(problem: SearchProblem, options: SearchOptions | None = None) -> SearchResult:
+    """Best plan for ``problem`` under the cost model (searched as ``options`` say: default
+    no time limit, five runner-ups); raises InfeasibleError when nothing fits."""
+    options = options or SearchOptions()
+    graph, facts, cluster, devices = problem.graph, problem.facts, problem.cluster, \
+        problem.devices
+    task, global_batch, pins, capacity = problem.task, problem.global_batch, problem.pins, \
+        problem.capacity
+    defaults, layouts = problem.defaults, problem.layouts
+    time_limit_s, progress, keep = options.time_limit_s, options.progress, options.keep
     started = time.perf_counter()
     train = task != "infer"
     host_capacity = cluster.node.host_memory_bytes

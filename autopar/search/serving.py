@@ -31,9 +31,10 @@ from autopar.cost.serving import decode_block_times, decode_stages
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.graph import Graph
 from autopar.plan.support import unsupported_serving
-from autopar.search.planner import Progress, SearchResult, _distinct_alternatives
+from autopar.search.planner import SearchResult, _distinct_alternatives
 from autopar.search.robust import robust_choice
 from autopar.search.space import Mesh, ModelFacts, divisors, legal_meshes
+from autopar.search.spec import Progress, SearchProblem
 
 
 def serving_search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
@@ -237,15 +238,16 @@ def infeasible_serving(graph: Graph, facts: ModelFacts, cluster: Cluster, device
             f"more devices")
 
 
-def serving_plan_search(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
-                        global_batch: int, pins: dict, capacity: float, defaults: dict,
-                        layouts: dict[int, TPLayouts] | None,
-                        max_token_latency_ms: float | None = None,
+def serving_plan_search(problem: SearchProblem, max_token_latency_ms: float | None = None,
                         progress: Progress | None = None) -> tuple[SearchResult, int]:
-    """The serving plan and its concurrency: ``global_batch`` sequences at the shortest
-    decoding step, or, with ``max_token_latency_ms``, the concurrency up to ``global_batch``
-    (itself or a power of two below it) with the most tokens per second among the plans whose
-    decoding step stays within the bound."""
+    """The serving plan and its concurrency: ``problem.global_batch`` sequences at the
+    shortest decoding step, or, with ``max_token_latency_ms``, the concurrency up to
+    ``global_batch`` (itself or a power of two below it) with the most tokens per second among
+    the plans whose decoding step stays within the bound."""
+    graph, facts, cluster, devices = problem.graph, problem.facts, problem.cluster, \
+        problem.devices
+    global_batch, pins, capacity = problem.global_batch, problem.pins, problem.capacity
+    defaults, layouts = problem.defaults, problem.layouts
     if max_token_latency_ms is None:
         return serving_search(graph, facts, cluster, devices, global_batch, pins, capacity,
                               defaults, layouts, progress), global_batch
