@@ -57,6 +57,8 @@ def report_cmd(plan_path: str, fmt: str | None, out: str | None, with_run: bool,
                             f"DIR that autopar compile wrote and autopar run trained, not "
                             f"{plan_path}")
         run = load_run(plan_path)
+    from autopar.report import render
+
     with progress("drawing the report", quiet or fmt != "html"):
-        text = plan.report(fmt, run=run)
+        text = render(plan, fmt, run)
     write_output(text, out, quiet)

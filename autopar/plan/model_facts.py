@@ -13,7 +13,7 @@ plans, notebooks and tests written against the mapping keep working.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.ir.blocks import LAYERLESS_BLOCKS
 
@@ -75,6 +75,9 @@ class ModelFacts(_ReadsAsMapping):
     model_type: str | None = None
     shape: dict | None = None  # hidden size, layers, heads, ...: what other engines' files state
     vocab_parallel: bool | None = None
+    # facts this autopar does not know (a newer or hand-edited file): kept, written back after
+    # the known ones, so that loading and saving loses nothing
+    extra: dict = field(default_factory=dict)
 
     # the plan file's order (older files wrote it so; the order keeps saves byte-identical)
     _FILE_ORDER = ("source", "params", "inputs", "input_dtypes", "outputs", "blocks",
@@ -84,9 +87,11 @@ class ModelFacts(_ReadsAsMapping):
     def from_dict(cls, data: dict) -> ModelFacts:
         """The record of a plan file's ``model`` mapping (already checked by the schema)."""
         given = {k: v for k, v in data.items() if k in cls._FILE_ORDER}
+        extra = {k: v for k, v in data.items() if k not in cls._FILE_ORDER}
         blocks = tuple(BlockFacts(str(b["name"]), int(b["type"]), b.get("kind"))
                        for b in data.get("blocks", ()))
-        return cls(**{**given, "blocks": blocks, "inputs": dict(data.get("inputs") or {})})
+        return cls(**{**given, "blocks": blocks, "inputs": dict(data.get("inputs") or {}),
+                      "extra": extra})
 
     def to_dict(self) -> dict:
         """The plan file's ``model`` mapping: the fields it has, in the file's order."""
@@ -97,7 +102,7 @@ class ModelFacts(_ReadsAsMapping):
                 out[name] = [b.to_dict() for b in value]
             elif value is not None:
                 out[name] = value
-        return out
+        return {**out, **self.extra}
 
     # -- what readers derive ---------------------------------------------------------------
     @property

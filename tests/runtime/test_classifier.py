@@ -5,6 +5,8 @@ trained by the generated program under ZeRO, recompute and pipelines equal to on
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -48,7 +50,7 @@ def test_the_task_is_read_from_the_captured_inputs_and_output(graphs) -> None:
     assert (task.kind, task.sample_shape, task.classes) == (CLASSIFICATION, (3, 16, 16), 10)
     assert vit.model["input_dtypes"] == {"images": "float32"}
     # a plan written before input dtypes were recorded trained a language model
-    del gpt.model["input_dtypes"]
+    gpt.model = dataclasses.replace(gpt.model, input_dtypes=None)
     assert training_task(gpt).kind == LANGUAGE_MODEL
 
 
@@ -58,8 +60,8 @@ def test_the_task_is_read_from_the_captured_inputs_and_output(graphs) -> None:
 ])
 def test_any_other_task_is_refused_in_one_line(graphs, dtype, output, seen) -> None:
     plan = _plan(graphs["gpt"])
-    plan.model["input_dtypes"] = {"idx": dtype}
-    plan.model["outputs"] = {"out": output}
+    plan.model = dataclasses.replace(plan.model, input_dtypes={"idx": dtype},
+                                     outputs={"out": output})
     with pytest.raises(PlanError) as err:
         training_task(plan)
     message = str(err.value)
