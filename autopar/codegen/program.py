@@ -503,8 +503,7 @@ def _replicate(w: _Writer, plan: Plan) -> None:
 def _optimizer(w: _Writer, plan: Plan) -> None:
     w.blank(2)
     w.line("def build_optimizer(param_groups, mesh, hp):")
-    zero1 = plan.data_parallel_wrapper == "ddp" and plan.zero_stage == 1 and \
-        plan.mesh["ep"] == 1
+    zero1 = plan.shards_optimizer and plan.mesh["ep"] == 1
     doc = ("hp: the run's settings (autopar run --lr, --betas, --eps); each group carries its "
            "weight decay")
     if plan.mesh["ep"] > 1 and plan.zero_stage == 1 and experts_use_ddp(plan):
