@@ -22,8 +22,7 @@ def deepspeed_config(plan: Plan, grad_clip: float = 1.0) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if "params" in offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    precision = plan.precision or {}
-    compute = precision.get("compute", "fp32")
+    compute = plan.training_precision.compute
     config: dict = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.microbatch_size,

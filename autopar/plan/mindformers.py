@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 
 from autopar.plan.plan import Plan
+from autopar.plan.precision import TORCH_DTYPE_NAMES
 from autopar.plan.support import refuse_op_recompute
 
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# MindFormers names dtypes as torch does: bfloat16 -> bf16, ...
+_DTYPES = {torch_name: short for short, torch_name in TORCH_DTYPE_NAMES.items()}
 
 
 _CP_ALGOS = {"colossalai_cp": "ring", "ulysses_cp": "alltoall", "hybrid_cp": "hybrid"}
@@ -186,7 +188,7 @@ def mindformers_yaml(plan: Plan) -> dict:
         ("num_layers", "num_layers"), ("num_heads", "num_heads"),
         ("num_kv_heads", "n_kv_heads"), ("vocab_size", "vocab_size"),
         ("ffn_hidden_size", "intermediate_size")) if src in shape}
-    compute = {v: k for k, v in _DTYPES.items()}.get((plan.precision or {}).get("compute"))
+    compute = TORCH_DTYPE_NAMES.get(plan.training_precision.compute) if plan.precision else None
     if compute:
         config["compute_dtype"] = compute
     if config:
