@@ -111,7 +111,7 @@ def data_parallel_wrapper(plan: Plan) -> str:
     too). The generated program states it; the runtime applies it."""
     if {"optimizer", "params"} & set(plan.offload):
         return "fully_shard"
-    if plan.mesh["dp"] == 1:
+    if plan.mesh["dp"] * plan.mesh.get("cp", 1) == 1:  # cp ranks replicate the parameters too
         return "none"
     return "ddp" if plan.zero_stage <= 1 else "fully_shard"
 
