@@ -143,6 +143,8 @@ def _assert_equal_to_one_process(got: tuple, reference: tuple) -> tuple[float, f
     assert set(grads) == set(ref_grads)
     worst = max(float(np.abs(grads[n] - g).max()) for n, g in ref_grads.items())
     assert worst < 1e-4
+    for name, g in ref_grads.items():  # relative too: a tiny gradient's error is tiny
+        assert np.linalg.norm(grads[name] - g) <= 1e-4 * np.linalg.norm(g), name
     return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), worst
 
 
@@ -172,3 +174,48 @@ def test_parallelize_context_parallel_in_your_own_loop(pins: dict, reference) ->
     assert (plan.mesh["cp"], plan.cp_mode) == (pins["cp"], pins["cp_mode"])
     got = spawn_ranks(_llama_rank, plan.devices, (plan.devices, plan.to_dict()))[0]
     print("max loss diff, max grad diff:", _assert_equal_to_one_process(got, reference))
+
+
+def _compiled_run(plan, tmp_path, steps: int) -> tuple:
+    """(losses, sharded count, first-step gradients) of the Trainer running the train.py that
+    ``autopar.compile`` wrote for ``plan`` on ``plan.devices`` gloo processes."""
+    import autopar
+    from autopar.runtime.source import describe_source
+
+    from .harness import _worker
+
+    out = autopar.compile("tiny-llama", None, plan, tmp_path / "art")
+    program = (out / "train.py").read_text()
+    assert f"CP_MODE = \"{plan.cp_mode}\"" in program  # the program states cp: its mesh ...
+    assert f"context parallelism: cp={plan.mesh['cp']}" in program  # ... and a comment line
+    source = describe_source("tiny-llama")
+    return spawn_ranks(_worker, plan.devices,
+                       (plan.devices, source, plan.to_dict(), steps, 0, None, False,
+                        "synthetic", None, program, True, None))[0]
+
+
+def _trainer_reference() -> tuple:
+    from autopar.runtime.source import describe_source
+
+    from .harness import run_ranks
+
+    return run_ranks(describe_source("tiny-llama"), _llama_plan(1), STEPS, first_grads=True)
+
+
+@pytest.mark.parametrize("pins", [dict(cp=2, cp_mode="ring"),
+                                  dict(cp=2, tp=2, cp_mode="ring", zero_stage=2),
+                                  dict(cp=2, dp=2, cp_mode="alltoall", zero_stage=3)],
+                         ids=["cp2-ring", "cp2xtp2-ring", "cp2xdp2-zero3-alltoall"])
+def test_compiled_context_parallel_program_trains_as_one_process(pins: dict,
+                                                                 tmp_path) -> None:
+    """autopar compile's train.py for a plan drawn with cp pinned (and tp or ZeRO-3 data
+    parallelism beside it), run by the Trainer: losses and first-step gradients equal one
+    process's."""
+    devices = pins["cp"] * pins.get("tp", 1) * pins.get("dp", 1)
+    plan = _llama_plan(devices, **pins)
+    assert plan.mesh["cp"] == 2 and plan.mesh["tp"] == pins.get("tp", 1)
+    ref_losses, _, ref_grads = _trainer_reference()
+    losses, _, grads = _compiled_run(plan, tmp_path, STEPS)
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    print("max loss diff, max grad diff:",
+          _assert_equal_to_one_process((losses, grads), (ref_losses, ref_grads)))
