@@ -219,3 +219,65 @@ def test_compiled_context_parallel_program_trains_as_one_process(pins: dict,
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     print("max loss diff, max grad diff:",
           _assert_equal_to_one_process((losses, grads), (ref_losses, ref_grads)))
+
+
+def test_layout_round_trips_and_pairs_early_with_late_chunks() -> None:
+    import torch
+
+    from autopar.runtime.cp_layout import (
+        chunk_ids,
+        global_positions,
+        reshard_sequence,
+        shard_sequence,
+        unshard_sequence,
+    )
+
+    assert [chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert global_positions(16, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    x = torch.arange(24).view(1, 24)
+    by_rank = torch.cat([shard_sequence(x, r, 3) for r in range(3)], dim=1)
+    assert torch.equal(unshard_sequence(by_rank, 3, dim=1), x)
+    assert torch.equal(reshard_sequence(x, 3, dim=1), by_rank)
+
+
+def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
+    """Modes it prices but does not run, pipelines, experts, indivisible sequences and heads,
+    and models whose attention it cannot hook: each a one-line PlanError or reason."""
+    from autopar.errors import PlanError
+    from autopar.models import GPT, GPTConfig
+    from autopar.plan.support import context_parallel_refusal, unsupported_combination
+    from autopar.runtime.alltoall_attention import alltoall_heads_refusal
+    from autopar.runtime.context_parallel import apply_context_parallel
+    from autopar.runtime.cp_layout import check_divisible
+
+    assert context_parallel_refusal("autopar", 2, "ring") is None
+    assert context_parallel_refusal("autopar", 4, "alltoall") is None
+    assert "cp_mode=hybrid" in context_parallel_refusal("autopar", 2, "hybrid")
+    assert "cp_mode=allgather" in context_parallel_refusal("autopar", 2, "allgather")
+    assert "pipeline" in context_parallel_refusal("autopar", 2, "ring", pp=2)
+    assert context_parallel_refusal("megatron", 2, "hybrid") is None  # exported, not run
+    assert "expert parallelism" in unsupported_combination(
+        engine="autopar", dp=1, tp=1, pp=1, ep=2, cp=2, zero_stage=0, sequence_parallel=False,
+        offload=frozenset())
+    assert "ZeRO-0 with tensor parallelism" in unsupported_combination(
+        engine="autopar", dp=1, tp=2, pp=1, ep=1, cp=2, zero_stage=0, sequence_parallel=False,
+        offload=frozenset())
+    assert "cp_mode=ring" in alltoall_heads_refusal(6, 2, 4)
+    assert alltoall_heads_refusal(8, 2, 4) is None  # kv heads replicated per query head
+    with pytest.raises(PlanError, match="divisible by 4"):
+        check_divisible(250, 2)
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2))
+    with pytest.raises(PlanError, match="Hugging Face decoders"):
+        apply_context_parallel(gpt, None, "ring")
+    with pytest.raises(PlanError, match="runs ring and alltoall"):
+        apply_context_parallel(gpt, None, "hybrid")
+
+
+def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
+    from autopar.errors import PlanError
+    from autopar.plan.support import refuse_unsupported
+
+    plan = _llama_plan(4, cp=2, pp=2, microbatch_size=1, schedule="1f1b")
+    assert (plan.mesh["pp"], plan.mesh["cp"]) == (2, 2)
+    with pytest.raises(PlanError, match="inside pipeline stages"):
+        refuse_unsupported(plan)
