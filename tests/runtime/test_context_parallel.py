@@ -177,8 +177,9 @@ def test_parallelize_context_parallel_in_your_own_loop(pins: dict, reference) ->
 
 
 def _compiled_run(plan, tmp_path, steps: int) -> tuple:
-    """(losses, sharded count, first-step gradients) of the Trainer running the train.py that
-    ``autopar.compile`` wrote for ``plan`` on ``plan.devices`` gloo processes."""
+    """(losses, sharded count, first-step gradients, held-out loss) of the Trainer running
+    the train.py that ``autopar.compile`` wrote for ``plan`` on ``plan.devices`` gloo
+    processes."""
     import autopar
     from autopar.runtime.source import describe_source
 
@@ -191,7 +192,7 @@ def _compiled_run(plan, tmp_path, steps: int) -> tuple:
     source = describe_source("tiny-llama")
     return spawn_ranks(_worker, plan.devices,
                        (plan.devices, source, plan.to_dict(), steps, 0, None, False,
-                        "synthetic", None, program, True, None))[0]
+                        "synthetic", _held_out_loss, program, True, None))[0]
 
 
 def _trainer_reference() -> tuple:
@@ -199,7 +200,15 @@ def _trainer_reference() -> tuple:
 
     from .harness import run_ranks
 
-    return run_ranks(describe_source("tiny-llama"), _llama_plan(1), STEPS, first_grads=True)
+    return run_ranks(describe_source("tiny-llama"), _llama_plan(1), STEPS, first_grads=True,
+                     probe=_held_out_loss)
+
+
+def _held_out_loss(trainer) -> float:
+    """The trained model's held-out loss (autopar run --eval synthetic), on every rank."""
+    from autopar.runtime.evaluate import HeldOut, evaluate
+
+    return evaluate(trainer, HeldOut(batches=1))["loss"]
 
 
 @pytest.mark.parametrize("pins", [dict(cp=2, cp_mode="ring"),
@@ -209,13 +218,14 @@ def _trainer_reference() -> tuple:
 def test_compiled_context_parallel_program_trains_as_one_process(pins: dict,
                                                                  tmp_path) -> None:
     """autopar compile's train.py for a plan drawn with cp pinned (and tp or ZeRO-3 data
-    parallelism beside it), run by the Trainer: losses and first-step gradients equal one
-    process's."""
+    parallelism beside it), run by the Trainer: losses, first-step gradients and the
+    held-out loss after training (evaluation splits the sequence too) equal one process's."""
     devices = pins["cp"] * pins.get("tp", 1) * pins.get("dp", 1)
     plan = _llama_plan(devices, **pins)
     assert plan.mesh["cp"] == 2 and plan.mesh["tp"] == pins.get("tp", 1)
-    ref_losses, _, ref_grads = _trainer_reference()
-    losses, _, grads = _compiled_run(plan, tmp_path, STEPS)
+    ref_losses, _, ref_grads, ref_held_out = _trainer_reference()
+    losses, _, grads, held_out = _compiled_run(plan, tmp_path, STEPS)
+    assert held_out == pytest.approx(ref_held_out, abs=1e-4)  # evaluation splits too
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     print("max loss diff, max grad diff:",
           _assert_equal_to_one_process((losses, grads), (ref_losses, ref_grads)))
