@@ -105,31 +105,37 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
-def _give_positions(model: nn.Module, cp: ContextParallel) -> None:
-    """The model's forward gets the global position ids of this rank's tokens when the
-    caller passes none (a Hugging Face decoder would number the local tokens from 0)."""
+def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position_ids") -> None:
+    """The model's forward gets the global position ids of this rank's tokens as keyword
+    ``name`` when the caller passes none (the model would number the local tokens from 0)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("position_ids") is None:
+        if kwargs.get(name) is None:
             ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            kwargs["position_ids"] = cp.positions(ids.shape[1], ids.device)
+            kwargs[name] = cp.positions(ids.shape[1], ids.device)
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> ContextParallel:
-    """Lay ``model`` (a Hugging Face decoder) out for context parallelism over the process
-    ``group`` in ``mode``: its attention becomes the cp attention, its forward gets global
-    position ids. Returns (and records on the model) this rank's :class:`ContextParallel`.
-    ``tp``: the tensor-parallel degree (all-to-all splits each tp rank's heads over cp)."""
+    """Lay ``model`` (a Hugging Face decoder, or autopar's GPT) out for context parallelism
+    over the process ``group`` in ``mode``: its attention becomes the cp attention, its
+    forward gets global position ids. Returns (and records on the model) this rank's
+    :class:`ContextParallel`. ``tp``: the tensor-parallel degree (all-to-all splits each tp
+    rank's heads over cp)."""
     if mode not in RUNS_MODES:
         raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring and "
                         f"alltoall; re-plan with constraints cp_mode=ring or alltoall")
+    from autopar.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return _apply_to_gpt(model, group, mode, tp)
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise PlanError(f"context parallelism hooks Hugging Face decoders' attention; "
-                        f"{type(model).__name__} is not one: re-plan with constraints cp=1")
+        raise PlanError(f"context parallelism hooks Hugging Face decoders' and autopar's GPT's "
+                        f"attention; {type(model).__name__} is neither: re-plan with "
+                        f"constraints cp=1")
     cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
     if mode == "alltoall":
         heads = getattr(config, "num_attention_heads", 0) // tp
@@ -151,4 +157,27 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> C
                         f"{type(model).__name__}; re-plan with constraints cp=1")
     setattr(model, CP_ATTR, cp)
     _give_positions(model, cp)
+    return cp
+
+
+def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int) -> ContextParallel:
+    """autopar's GPT: its attention's causal SDPA call runs the cp attention
+    (:mod:`autopar.runtime.cp_sdpa`); its learned positions read the global positions."""
+    from autopar.models.gpt import Attention
+    from autopar.runtime.cp_sdpa import hook_sdpa
+
+    if not model.cfg.fused_attention:
+        raise PlanError("context parallelism replaces the GPT's scaled_dot_product_attention "
+                        "call; this one computes attention by hand (fused_attention=False): "
+                        "set fused_attention=True or re-plan with constraints cp=1")
+    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
+    heads = model.cfg.n_heads // tp
+    reason = alltoall_heads_refusal(heads, heads, cp.size) if mode == "alltoall" else None
+    if reason is not None:
+        raise PlanError(reason)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            hook_sdpa(module, cp)
+    setattr(model, CP_ATTR, cp)
+    _give_positions(model, cp, "positions")
     return cp

@@ -65,26 +65,44 @@ def test_cp_attention_equals_whole_sequence_causal_sdpa(world: int, mode: str,
 SEQ, BATCH, STEPS = 256, 2, 4
 
 
-def _llama_rank(rank: int, port: int, out, world: int, plan_dict: dict | None) -> None:
-    run_in_group(rank, port, out, world, _train_llama, world, plan_dict)
+# autopar's own GPT (plain SDPA, learned positions), the other kind of model cp hooks
+GPT_CFG = dict(vocab_size=128, seq_len=64, d_model=64, n_layers=2, n_heads=4)
 
 
-def _train_llama(world: int, plan_dict: dict | None) -> tuple[list[float], dict]:
+def _build(kind: str):
+    import torch
+
+    from autopar.models import GPT, GPTConfig, build_model
+
+    torch.manual_seed(0)  # every rank builds the same weights
+    if kind == "gpt":
+        return GPT(GPTConfig(**GPT_CFG))
+    return build_model("tiny-llama", device="cpu", dtype=torch.float32)
+
+
+def _llama_rank(rank: int, port: int, out, world: int, plan_dict: dict | None,
+                kind: str = "llama") -> None:
+    run_in_group(rank, port, out, world, _train_llama, world, plan_dict, kind)
+
+
+def _train_llama(world: int, plan_dict: dict | None, kind: str) -> tuple[list[float], dict]:
     """(mean loss of each step, every parameter's gradient at the first optimizer step) of
-    tiny Llama (GQA) trained in your own loop: the plain model on one process, or the plan
-    applied with autopar.parallelize, each cp rank feeding its share of each sequence."""
+    tiny Llama (GQA; or autopar's GPT) trained in your own loop: the plain model on one
+    process, or the plan applied with autopar.parallelize, each cp rank feeding its share of
+    each sequence."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import autopar
-    from autopar.models import build_model
     from autopar.plan import Plan
     from autopar.runtime.apply import optimizer
     from autopar.runtime.context_parallel import context_parallel_of
+    from autopar.runtime.loss import logits_of
 
-    torch.manual_seed(0)
-    model = build_model("tiny-llama", device="cpu", dtype=torch.float32)
+    model = _build(kind)
+    vocab, seq = (GPT_CFG["vocab_size"], GPT_CFG["seq_len"]) if kind == "gpt" else \
+        (model.config.vocab_size, SEQ)
     plan = Plan.from_dict(plan_dict) if plan_dict else None
     if plan is not None:
         model = autopar.parallelize(model, plan)
@@ -107,15 +125,14 @@ def _train_llama(world: int, plan_dict: dict | None) -> tuple[list[float], dict]
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(STEPS):
-        batch = torch.randint(0, model.config.vocab_size if hasattr(model, "config")
-                              else model.module.config.vocab_size, (BATCH, SEQ + 1), generator=g)
+        batch = torch.randint(0, vocab, (BATCH, seq + 1), generator=g)
         rows = batch[mine * BATCH // dp:(mine + 1) * BATCH // dp]
         ids, targets = rows[:, :-1], rows[:, 1:]
         if cp is None:
-            loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
+            loss = F.cross_entropy(logits_of(model(ids)).flatten(0, 1), targets.flatten())
             total = loss.detach()
         else:
-            loss = cp.lm_loss(model(cp.shard(ids)).logits, cp.shard(targets))
+            loss = cp.lm_loss(model(cp.shard(ids)), cp.shard(targets))
             total = cp.mean(loss)
         loss.backward()
         opt.step()
@@ -276,11 +293,16 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
     assert alltoall_heads_refusal(8, 2, 4) is None  # kv heads replicated per query head
     with pytest.raises(PlanError, match="divisible by 4"):
         check_divisible(250, 2)
-    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2))
+    import torch
+
     with pytest.raises(PlanError, match="Hugging Face decoders"):
-        apply_context_parallel(gpt, None, "ring")
+        apply_context_parallel(torch.nn.Linear(4, 4), None, "ring")
+    unfused = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2,
+                            fused_attention=False))
+    with pytest.raises(PlanError, match="fused_attention=True"):
+        apply_context_parallel(unfused, None, "ring")
     with pytest.raises(PlanError, match="runs ring and alltoall"):
-        apply_context_parallel(gpt, None, "hybrid")
+        apply_context_parallel(unfused, None, "hybrid")
 
 
 def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
@@ -291,3 +313,20 @@ def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
     assert (plan.mesh["pp"], plan.mesh["cp"]) == (2, 2)
     with pytest.raises(PlanError, match="inside pipeline stages"):
         refuse_unsupported(plan)
+
+
+@pytest.mark.parametrize("mode", ["ring", "alltoall"])
+def test_parallelize_context_parallel_on_a_plain_sdpa_gpt(mode: str) -> None:
+    """autopar's GPT (its own F.scaled_dot_product_attention call, learned positions) under a
+    cp2 plan drawn from autopar.plan, in your own loop: equal to one process."""
+    import autopar
+    from autopar.models import GPT, GPTConfig, token_inputs
+
+    graph = autopar.capture(GPT(GPTConfig(**GPT_CFG)), token_inputs(1, GPT_CFG["seq_len"]))
+    plan = autopar.plan(graph, devices=2, global_batch=BATCH, cluster="cpu",
+                        constraints=dict(cp=2, cp_mode=mode, dp=1, tp=1, pp=1,
+                                         microbatch_size=BATCH, precision="fp32"))
+    assert plan.mesh["cp"] == 2
+    reference = spawn_ranks(_llama_rank, 1, (1, None, "gpt"))[0]
+    got = spawn_ranks(_llama_rank, 2, (2, plan.to_dict(), "gpt"))[0]
+    print("max loss diff, max grad diff:", _assert_equal_to_one_process(got, reference))
