@@ -330,3 +330,20 @@ def test_parallelize_context_parallel_on_a_plain_sdpa_gpt(mode: str) -> None:
     reference = spawn_ranks(_llama_rank, 1, (1, None, "gpt"))[0]
     got = spawn_ranks(_llama_rank, 2, (2, plan.to_dict(), "gpt"))[0]
     print("max loss diff, max grad diff:", _assert_equal_to_one_process(got, reference))
+
+
+def test_checkpoints_resume_across_cp_degrees(tmp_path) -> None:
+    """A cp2 run's checkpoint resumes under cp4 (ZeRO-3 over dp x cp), whose checkpoint
+    resumes on one process: the losses continue one process's (the parameters are whole on
+    every cp rank; checkpoints do not depend on the sequence split)."""
+    from autopar.runtime.source import describe_source
+
+    from .harness import run_ranks
+
+    source, ckpt = describe_source("tiny-llama"), str(tmp_path / "ckpt")
+    reference, _ = run_ranks(source, _llama_plan(1), steps=4)
+    first, _ = run_ranks(source, _llama_plan(2, cp=2), steps=2, checkpoint_dir=ckpt)
+    middle, _ = run_ranks(source, _llama_plan(4, cp=4, cp_mode="ring", zero_stage=3),
+                          steps=1, checkpoint_dir=ckpt, resume=True)
+    last, _ = run_ranks(source, _llama_plan(1), steps=1, checkpoint_dir=ckpt, resume=True)
+    assert first + middle + last == pytest.approx(reference, abs=1e-4)
