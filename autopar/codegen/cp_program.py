@@ -35,7 +35,8 @@ def context_parallel_mesh(w, plan: Plan) -> None:
     w.line('    """The named device mesh over the launched processes (tp innermost, then ep, cp, '
            'dp, pp);')
     w.line('    the replicated parameters\' gradients are reduced over dp x cp ("dp_cp")."""')
-    w.line(f"    mesh = init_device_mesh(device, {shape}, mesh_dim_names={CP_AXES})")
+    names = ", ".join(f'"{a}"' for a in CP_AXES)
+    w.line(f"    mesh = init_device_mesh(device, {shape}, mesh_dim_names=({names}))")
     w.line(f"    mesh[\"dp\", \"cp\"]._flatten(\"{DP_CP}\")")
     w.line("    return mesh")
     w.blank(2)

@@ -213,7 +213,8 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     if m.get("cp", 1) > 1:
         w.line(f"context parallelism: cp={m['cp']}, {plan.cp_mode} attention; each sequence cut "
                f"into {2 * m['cp']} chunks, rank i of cp holding chunks i and {2 * m['cp'] - 1}-i")
-    w.line(f"mesh (pp, dp, ep, tp) = ({m['pp']}, {m['dp']}, {m['ep']}, {m['tp']}), tp innermost; "
+    axes = "pp, dp, cp, ep, tp" if m.get("cp", 1) > 1 else "pp, dp, ep, tp"
+    w.line(f"mesh ({axes}) = ({', '.join(str(m[a]) for a in axes.split(', '))}), tp innermost; "
            f"ZeRO-{plan.zero_stage}" + (f"; offload {prose('+'.join(plan.offload))}"
                                         if plan.offload else ""))
     w.line(f"batch: global {plan.global_batch} = {m['dp'] * m['ep']} data-parallel ranks x "

@@ -126,7 +126,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     return None
 
 
-def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int) -> str | None:
+def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int, cp: int = 1) -> str | None:
     """Why autopar's generation runtime cannot serve this mesh, or None when it can. Serving
     keeps no gradients or optimizer states, so the training runtime's ZeRO and data-parallel
     wrappers do not arise: data-parallel replicas each serve their share of the prompts."""
@@ -134,6 +134,8 @@ def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int) -> str | None
         return None
     if ep > 1:
         return "expert parallelism when serving (constraints ep=1)"
+    if cp > 1:
+        return "context parallelism when serving (constraints cp=1)"
     return None
 
 
@@ -154,7 +156,7 @@ def plan_unsupported(plan: Plan) -> str | None:
     m = plan.mesh
     if plan.task == "infer":
         return unsupported_serving(engine=plan.engine or "autopar", tp=m["tp"], pp=m["pp"],
-                                   ep=m["ep"])
+                                   ep=m["ep"], cp=m.get("cp", 1))
     return unsupported_combination(
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,

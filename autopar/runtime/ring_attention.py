@@ -144,5 +144,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads "
                          f"evenly")
+    if q.shape[2] % 2 or k.shape[2] != q.shape[2]:
+        raise ValueError(f"each cp rank holds two equal chunks of the sequence: {q.shape[2]} "
+                         f"query and {k.shape[2]} key tokens here (cut with cp_layout)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return RingAttention.apply(q, k, v, group, scale, causal)
