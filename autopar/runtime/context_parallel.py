@@ -93,7 +93,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if cp is None:
         raise PlanError(f"{type(module).__name__} runs context-parallel attention but was not "
                         f"laid out for it; apply the plan with autopar.parallelize")
-    if attention_mask is not None:
+    if attention_mask is not None and not bool(attention_mask.all()):  # all ones: no padding
         raise PlanError("context parallelism runs causal attention over whole sequences; a "
                         "padding attention_mask is not supported: pass none (pack sequences "
                         "instead of padding them)")
