@@ -108,8 +108,10 @@ class GPT(nn.Module):
         :func:`autopar.runtime.init.materialize` runs on meta-built models)."""
         _init_weights(module)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions: the tokens' places in the whole sequence when idx holds a share of it
+        # (context parallelism); by default 0, 1, ...
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for layer in self.layers:
             x = layer(x)

@@ -314,7 +314,7 @@ class Plan:
         ZeRO-3, and for state offload (with one device too)."""
         if self.offloads_state:
             return "fully_shard"
-        if self.mesh["dp"] == 1:
+        if self.mesh["dp"] * self.mesh.get("cp", 1) == 1:  # cp ranks replicate parameters too
             return "none"
         return "ddp" if self.zero_stage <= 1 else "fully_shard"
 

@@ -15,24 +15,35 @@ if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
     from autopar.plan.plan import Plan
 
-# whether autopar's runtime runs context parallelism (cp > 1): not yet (a later version runs
-# ring attention); a plan with cp > 1 is priced and reported, and refused when run
-RUNTIME_RUNS_CP = False
+# whether autopar's runtime runs context parallelism (cp > 1): ring and all-to-all attention on
+# Hugging Face decoders (autopar.runtime.context_parallel), not inside pipeline stages
+RUNTIME_RUNS_CP = True
+# the cp modes it runs (hybrid and allgather are priced and exported only)
+RUNTIME_CP_MODES = ("ring", "alltoall")
 
 
 def proposed_cp(pins: dict) -> int:
     """The context-parallel degree the search tries: the pinned one, else 1. cp > 1 is priced
-    only where pinned: the free search proposes what autopar's runtime runs, and it does not
-    run context parallelism yet (``RUNTIME_RUNS_CP``)."""
+    only where pinned: the free search does not choose cp by cost yet."""
     return int(pins.get("cp", 1))
 
 
-def context_parallel_refusal(engine: str, cp: int) -> str | None:
-    """Why ``engine``'s runtime cannot run ``cp`` context-parallel ranks, or None."""
-    if cp > 1 and engine == "autopar" and not RUNTIME_RUNS_CP:
+def context_parallel_refusal(engine: str, cp: int, mode: str = "ring", pp: int = 1
+                             ) -> str | None:
+    """Why ``engine``'s runtime cannot run ``cp`` context-parallel ranks in ``mode`` (with
+    ``pp`` pipeline stages), or None."""
+    if cp == 1 or engine != "autopar":
+        return None
+    if not RUNTIME_RUNS_CP:
         return (f"context parallelism (cp={cp}): autopar's runtime does not run it yet; the "
                 f"plan is priced and reported only (re-plan with constraints cp=1 to run it, "
                 f"or engine=megatron to export it)")
+    if mode not in RUNTIME_CP_MODES:
+        return (f"context parallelism with cp_mode={mode} (it runs ring and alltoall; the plan "
+                f"is priced and reported only: re-plan with constraints cp_mode=ring)")
+    if pp > 1:
+        return (f"context parallelism inside pipeline stages (cp={cp}, pp={pp}: traced stages "
+                f"do not take the cp attention yet; re-plan with constraints pp=1 or cp=1)")
     return None
 
 
@@ -67,7 +78,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                             zero_stage: int, sequence_parallel: bool, offload: frozenset[str],
                             schedule: str = "1f1b",
                             recompute: frozenset[str] = frozenset(),
-                            num_microbatches: int = 0) -> str | None:
+                            num_microbatches: int = 0, cp: int = 1) -> str | None:
     """Why the runtime cannot honour this combination, or None when it can. Plans priced for
     another engine (megatron, megatron-core, deepspeed, llama3-4d, llm-foundry) are exported, not run: they
     are restricted only to what that engine offers."""
@@ -88,7 +99,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                 f"torchtitan's op-level policy: constraints recompute=selective or full)")
     if engine != "autopar":
         return None
-    replicas = dp * ep
+    replicas = dp * ep * cp
     if pp > 1 and num_microbatches and num_microbatches < pp:
         return (f"{num_microbatches} micro-batches on {pp} pipeline stages (torch's schedules "
                 f"need one per stage: a smaller micro-batch or a larger global batch)")
@@ -99,11 +110,13 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
                 "replay the all-to-all dispatch's integer routing tensors: constraints "
                 "recompute=full)")
+    if cp > 1 and ep > 1:
+        return "context parallelism with expert parallelism (constraints ep=1 or cp=1)"
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)
     # parameters are data-parallel through fully_shard, which shards gradients (ZeRO-2/3)
-    if tp > 1 and dp > 1 and zero_stage < 2 and ep == 1:
+    if tp > 1 and dp * cp > 1 and zero_stage < 2 and ep == 1:  # cp ranks replicate too
         return (f"ZeRO-{zero_stage} with tensor parallelism (the runtime shards DTensor "
                 f"parameters with fully_shard: constraints zero_stage=2)")
     # FSDP2 offloads the sharded states: with several replicas that is ZeRO-2/3
@@ -113,7 +126,7 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     return None
 
 
-def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int) -> str | None:
+def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int, cp: int = 1) -> str | None:
     """Why autopar's generation runtime cannot serve this mesh, or None when it can. Serving
     keeps no gradients or optimizer states, so the training runtime's ZeRO and data-parallel
     wrappers do not arise: data-parallel replicas each serve their share of the prompts."""
@@ -121,6 +134,8 @@ def unsupported_serving(*, engine: str, tp: int, pp: int, ep: int) -> str | None
         return None
     if ep > 1:
         return "expert parallelism when serving (constraints ep=1)"
+    if cp > 1:
+        return "context parallelism when serving (constraints cp=1)"
     return None
 
 
@@ -130,7 +145,7 @@ def unsupported(config: ParallelConfig) -> str | None:
         engine=config.engine, dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep,
         zero_stage=config.zero_stage, sequence_parallel=config.sequence_parallel,
         offload=frozenset(config.offload), schedule=config.schedule,
-        num_microbatches=config.num_microbatches,
+        num_microbatches=config.num_microbatches, cp=config.cp,
         recompute=frozenset((config.recompute,) if isinstance(config.recompute, str)
                             else config.recompute))
 
@@ -141,13 +156,13 @@ def plan_unsupported(plan: Plan) -> str | None:
     m = plan.mesh
     if plan.task == "infer":
         return unsupported_serving(engine=plan.engine or "autopar", tp=m["tp"], pp=m["pp"],
-                                   ep=m["ep"])
+                                   ep=m["ep"], cp=m.get("cp", 1))
     return unsupported_combination(
         engine=plan.engine or "autopar", dp=m["dp"], tp=m["tp"], pp=m["pp"], ep=m["ep"],
         zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel,
         offload=frozenset(plan.offload),
         schedule=plan.schedule, recompute=frozenset(plan.recompute),
-        num_microbatches=plan.num_microbatches)
+        num_microbatches=plan.num_microbatches, cp=m.get("cp", 1))
 
 
 def refuse_unsupported(plan: Plan) -> None:
@@ -155,7 +170,8 @@ def refuse_unsupported(plan: Plan) -> None:
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
     from autopar.errors import PlanError
 
-    cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1))
+    cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1),
+                                         plan.cp_mode, plan.mesh["pp"])
     if cp_reason is not None:
         raise PlanError(f"the runtime does not run {cp_reason}")
     if (plan.engine or "autopar") != "autopar":

@@ -67,10 +67,13 @@ def evaluate(trainer, held: HeldOut, data=None) -> dict:
             targets = ids[:, 1:]
             if mask is not None:
                 targets = targets.masked_fill(~mask[:, 1:].to(trainer.device), IGNORE_INDEX)
+            cp = getattr(trainer, "cp", None)
             if trainer.pipe is not None:
                 s, c = _pipeline_sums(trainer, ids, targets, m, b)
+            elif cp is not None:  # this cp rank's chunks of each sequence, summed over cp below
+                s, c = _sums(trainer, cp.shard(ids[:, :-1]), cp.shard(targets), m, b)
             else:
-                s, c = _sums(trainer, ids, targets, m, b)
+                s, c = _sums(trainer, ids[:, :-1], targets, m, b)
             summed += s
             counted += c
     finally:
@@ -79,6 +82,9 @@ def evaluate(trainer, held: HeldOut, data=None) -> dict:
     if trainer.pipe is not None:  # only the last stage holds the losses
         for t in (summed, counted):
             dist.all_reduce(t, group=trainer.pp_group)
+    if getattr(trainer, "cp", None) is not None:
+        for t in (summed, counted):
+            dist.all_reduce(t, group=trainer.cp.group)
     if trainer.replica_group is not None:
         for t in (summed, counted):
             dist.all_reduce(t, group=trainer.replica_group)
@@ -90,14 +96,14 @@ def evaluate(trainer, held: HeldOut, data=None) -> dict:
     return record
 
 
-def _sums(trainer, ids: torch.Tensor, targets: torch.Tensor, m: int, b: int
+def _sums(trainer, inputs: torch.Tensor, targets: torch.Tensor, m: int, b: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     summed = torch.zeros((), dtype=torch.float64, device=trainer.device)
     counted = torch.zeros((), dtype=torch.float64, device=trainer.device)
     for i in range(m):
         rows = slice(i * b, (i + 1) * b)
         with trainer._loss_context(), trainer._compute():
-            s, c = summed_lm_loss(trainer.model(ids[rows, :-1]), targets[rows])
+            s, c = summed_lm_loss(trainer.model(inputs[rows]), targets[rows])
         summed += s.double()
         counted += c.double()
     return summed, counted

@@ -12,7 +12,7 @@ from autopar.plan import Plan
 from autopar.runtime.parallelize import recompute_block, use_host_cores
 from autopar.runtime.tp_styles import localize_heads as _localize_one
 
-__all__ = ["expert_parallel", "expert_zero_optimizer", "localize_heads", "present", "recompute",
+__all__ = ["context_parallel", "expert_parallel", "expert_zero_optimizer", "localize_heads", "present", "recompute",
            "replicate_experts", "use_host_cores",
            "prepare_stage", "shard_experts", "single_process_mesh", "stage_expert_parallel"]
 
@@ -90,6 +90,14 @@ def expert_zero_optimizer(param_groups: list[dict], mesh: DeviceMesh, optimizer_
     from autopar.runtime.expert_zero import expert_zero_optimizer as _optimizer
 
     return _optimizer(param_groups, mesh, optimizer_class, **defaults)
+
+
+def context_parallel(model: nn.Module, mesh: DeviceMesh, mode: str) -> None:
+    """Give ``model`` its context-parallel attention (``mode``: ring | alltoall) over
+    ``mesh["cp"]``, and global position ids for its share of each sequence."""
+    from autopar.runtime.context_parallel import apply_context_parallel
+
+    apply_context_parallel(model, mesh["cp"].get_group(), mode, mesh["tp"].size())
 
 
 def single_process_mesh(device: str) -> DeviceMesh:

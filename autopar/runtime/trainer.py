@@ -168,6 +168,10 @@ class Trainer:
             # DDP broadcasts and buckets real tensors: only after materialize
             model = program.replicate(model, mesh, plan)
         del self.constructed  # frees the CPU build, if one was made
+        # context parallelism: each cp rank feeds its share of every sequence, loss summed
+        from autopar.runtime.context_parallel import context_parallel_of
+
+        self.cp = context_parallel_of(model)
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
@@ -225,6 +229,8 @@ class Trainer:
         classifier's: :func:`autopar.runtime.loss.classification_loss` of its labels."""
         if self.task.classifies:
             return classification_loss(output, targets)
+        if getattr(self, "cp", None) is not None and not self.evaluating:
+            return self.cp.lm_loss(output, targets)  # summed over the whole sequence's tokens
         if self.evaluating:
             logits = logits_of(output)
             if logits.shape[0] == 2 * targets.shape[0]:  # a pipeline traced R-Drop's 2 passes
@@ -277,6 +283,8 @@ class Trainer:
         plan = self.plan
         per_replica = plan.global_batch // (plan.mesh["dp"] * plan.mesh["ep"])
         inputs, targets = self._batch(self.dp_rank * per_replica, per_replica)
+        if self.cp is not None:  # this cp rank's chunks of each sequence
+            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
         m, b = plan.num_microbatches, plan.microbatch_size
         if self.pipe is not None:
             total = self._pipeline_step(inputs, targets)
@@ -293,6 +301,8 @@ class Trainer:
                          else scaled).backward()
                 total += full(loss.detach()) / m
             sync_expert_grads(self.experts, plan, self.dp_group)
+            if self.cp is not None:  # each cp rank's loss is its share of the sequence's
+                total = self.cp.mean(total)
         reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' weights
         lr = lr_at(self.hyper, self.step_index)
         with record_function(OPTIMIZER):

@@ -114,7 +114,7 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                    facts: ModelFacts, task: str, pins: dict, rejected: dict[str, int],
                    capacity: float, reasons: set[str]) -> list[Candidate]:
     train = task != "infer"
-    replicas = mesh.dp * mesh.ep
+    replicas = mesh.dp * mesh.ep * mesh.cp  # cp ranks hold the same parameters too
     zeros = (0, 1, 2, 3) if train and replicas > 1 else (0,)
     if mesh.pp == 1:
         schedules = [("1f1b", 1)]
