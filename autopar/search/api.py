@@ -17,6 +17,7 @@ from autopar.plan.plan import Plan, round6
 from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
+from autopar.search.cp_rival import rival_record
 from autopar.search.placements import placements
 from autopar.search.planner import Progress, SearchResult, search
 from autopar.search.sharding import solve_layouts
@@ -136,6 +137,9 @@ def plan(
                                           result.estimate, capacity, result.rejected,
                                           result.memory_rejected_bounds)
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
+    if result.cp_rival is not None:  # plans with and without cp were weighed: the other side
+        plan.solver["context_parallel"] = rival_record(graph, hw, result.config, result.estimate,
+                                                       result.cp_rival, task)
     refusal = _tensor_parallel_refusal(model, example_inputs, plan)
     if refusal is not None:  # the layout does not run: the best plan without it
         reason, avoid = refusal

@@ -140,6 +140,7 @@ def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     return {
         "mesh": {"pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
                  "tp": config.tp},
+        "cp_mode": config.cp_mode,
         "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
         "zero_stage": config.zero_stage, "schedule": config.schedule,
         "virtual_stages": config.virtual_stages,
