@@ -244,6 +244,12 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
         raise PlanError(f"ep={pins['ep']} does not divide the model's {facts.experts} experts"
                         if facts.experts else
                         f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
+    cp = pins.get("cp", 1)
+    chunks = cp if pins.get("cp_mode") == "alltoall" else 2 * cp  # the ring balances 2 cp
+    if cp > 1 and facts.seq % chunks and (pins.get("cp_mode") or facts.seq % cp):
+        raise PlanError(f"cp={cp} cannot split {facts.seq}-token sequences into {chunks} equal "
+                        f"chunks; pin a cp that does, or a sequence length divisible by "
+                        f"{chunks}")
     if pins.get("cp", 1) > 1 and pins.get("cp_mode", "ring") == "alltoall":
         tps = [pins["tp"]] if "tp" in pins else [t for t in range(1, devices + 1)
                                                   if devices % t == 0 and facts.tp_ok(t)]

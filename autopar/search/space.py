@@ -163,14 +163,15 @@ def cp_degrees(facts: ModelFacts, devices: int, pins: dict, engine: str | None) 
 def cp_modes(facts: ModelFacts, cp: int, tp: int, ep: int, devices_per_node: int, pins: dict,
              engine: str | None) -> list[str]:
     """The cp modes worth pricing for one mesh: the pinned one, else each mode ``engine``
-    runs that can split this sequence and these heads. Ring, hybrid and all-gather cut the
-    sequence in 2 cp chunks (causal load balancing: rank i holds chunks i and 2cp-1-i);
-    all-to-all needs whole heads per rank; a hybrid whose all-to-all spans 1 or all cp ranks
+    runs (the ring where it runs none: a pinned cp) that can split this sequence and these
+    heads. Ring, hybrid and all-gather cut the sequence in 2 cp chunks (causal load
+    balancing: rank i holds chunks i and 2cp-1-i); all-to-all needs whole heads per rank; a hybrid whose all-to-all spans 1 or all cp ranks
     is the ring or the all-to-all, priced once under that name."""
     if "cp_mode" in pins or cp == 1 or engine is None:
         return [pins.get("cp_mode", "ring")]
     out = []
-    for mode in runtime_cp_modes(engine):
+    # a pinned cp on an engine that runs none is priced as a ring (reported, not run)
+    for mode in runtime_cp_modes(engine) or ("ring",):
         a2a = all_to_all_ranks(cp, mode, tp, ep, devices_per_node)
         if mode == "hybrid" and a2a in (1, cp):
             continue
