@@ -5,6 +5,7 @@ short ones only when it is faster; its lower bounds stay sound; reports and swee
 from __future__ import annotations
 
 import importlib
+import json
 import random
 from dataclasses import replace
 
@@ -206,3 +207,24 @@ def test_sweep_over_sequence_lengths_marks_cp_changes(runtime_runs_cp) -> None:
     text = render_sweep(rows, "text")
     assert "Best plan per sequence length" in text and "cp 1 -> " in text
     assert " 16k " in text and f"({rows[-1].plan.cp_mode})" in text
+
+
+def test_sweep_cli_over_sequence_lengths(tmp_path) -> None:
+    from tests.cli.test_inspect import _assert_one_line_error, cli_here
+
+    base = ["sweep", "tiny-llama", "--cluster", "h100-80g", "--constraints",
+            "engine=megatron-core,tp=1,pp=1", "--memory-limit-gb", "0.05", "-q"]
+    out = tmp_path / "never.json"
+    for bad, needle in (("8x", "'8x'"), ("0", "'0'"), ("16k..1k", "16384..1024")):
+        _assert_one_line_error(cli_here(*base, "--devices", "8", "--seq", bad, "--out",
+                                        str(out)), "--seq", needle)
+    _assert_one_line_error(cli_here(*base, "--devices", "4,8", "--seq", "1k,2k"),
+                           "one axis at a time")
+    assert list(tmp_path.iterdir()) == []
+    # Megatron-Core runs cp: the 16k row splits its sequences, and the table says where
+    result = cli_here(*base, "--devices", "8", "--seq", "1k,16k", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert [r["seq"] for r in rows] == [1024, 16384]
+    assert rows[0]["mesh"]["cp"] == 1 and rows[1]["mesh"]["cp"] > 1
+    assert {"field": "cp", "before": 1, "after": rows[1]["mesh"]["cp"]} in rows[1]["changes"]
