@@ -11,6 +11,10 @@ import click
 
 from autopar.cli.common import capture_model
 
+_SEQ_OPTION = click.option(
+    "--seq", type=click.IntRange(min=1), default=None,
+    help="Tokens per sequence [default: the constraints' model seq_length, else the config's "
+         "context, at most 4096].")
 _OPTIONS = [
     click.option("--cluster", default="a100-80g", show_default=True,
                  help="A cost_models/ name or a profile YAML from `autopar profile`."),
@@ -19,9 +23,7 @@ _OPTIONS = [
     click.option("--global-batch", type=click.IntRange(min=1), default=None,
                  help="Sequences per optimizer step (infer: concurrent sequences) "
                       "[default: what the constraints imply, else one per device]."),
-    click.option("--seq", type=click.IntRange(min=1), default=None,
-                 help="Tokens per sequence [default: the constraints' model seq_length, else "
-                      "the config's context, at most 4096]."),
+    _SEQ_OPTION,
     click.option("--constraints", default=None, multiple=True,
                  help="A YAML file (MindFormers YAML, DeepSpeed JSON and Megatron-LM arguments "
                       "are recognised by content), a strategies/ preset (megatron-3d, "
@@ -50,12 +52,33 @@ def plan_options(command: Callable) -> Callable:
     return command
 
 
+def plan_options_but_seq(command: Callable) -> Callable:
+    """:func:`plan_options` without ``--seq``, for a command that takes it its own way
+    (``autopar sweep``: a list or range of lengths)."""
+    for option in reversed(_OPTIONS):
+        if option is not _SEQ_OPTION:
+            command = option(command)
+    return command
+
+
 def capture_for_plan(model: str, *, cluster: str, task: str, seq: int | None,
                      constraints: tuple[str, ...], peft: str | None,
                      max_token_latency_ms: float | None, quiet: bool):
     """Check what fails in milliseconds (pins, cluster, ``--peft``, the latency bound) before
     the seconds to minutes of capture, then capture MODEL once. Returns the graph and the
     constraints as ``autopar.plan`` takes them (a list, or None when none were given)."""
+    listed, pins, peft_config = check_plan_inputs(
+        cluster=cluster, task=task, constraints=constraints, peft=peft,
+        max_token_latency_ms=max_token_latency_ms)
+    seq = seq or (pins.get("model") or {}).get("seq_length")
+    return capture_model(model, 1, seq, quiet, peft=peft_config), listed
+
+
+def check_plan_inputs(*, cluster: str, task: str, constraints: tuple[str, ...],
+                      peft: str | None, max_token_latency_ms: float | None
+                      ) -> tuple[list | None, dict, object]:
+    """The checks :func:`capture_for_plan` runs before capture: (the constraints as
+    ``autopar.plan`` takes them, their pins, the parsed ``--peft`` or None)."""
     from autopar.cost.hardware import load_cluster
     from autopar.errors import PlanError
     from autopar.search.constraints import load_constraints
@@ -63,7 +86,6 @@ def capture_for_plan(model: str, *, cluster: str, task: str, seq: int | None,
     listed = list(constraints) or None
     pins = load_constraints(listed)
     load_cluster(cluster)
-    seq = seq or (pins.get("model") or {}).get("seq_length")
     peft_config = None
     if peft is not None:
         from autopar.peft import parse_peft
@@ -75,7 +97,7 @@ def capture_for_plan(model: str, *, cluster: str, task: str, seq: int | None,
     if max_token_latency_ms is not None and task != "infer":
         raise PlanError(f"--max-token-latency-ms bounds a serving plan's decoding step: add "
                         f"--task infer (not --task {task})")
-    return capture_model(model, 1, seq, quiet, peft=peft_config), listed
+    return listed, pins, peft_config
 
 
 @contextlib.contextmanager

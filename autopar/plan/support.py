@@ -22,10 +22,40 @@ RUNTIME_RUNS_CP = True
 RUNTIME_CP_MODES = ("ring", "alltoall")
 
 
-def proposed_cp(pins: dict) -> int:
-    """The context-parallel degree the search tries: the pinned one, else 1. cp > 1 is priced
-    only where pinned: the free search does not choose cp by cost yet."""
-    return int(pins.get("cp", 1))
+# the cp modes each engine's runtime runs (autopar's: when RUNTIME_RUNS_CP): Megatron-Core's
+# --cp-comm-type offers p2p (ring), a2a, a2a+p2p (hybrid) and all_gather; Llama 3's 4D
+# engine all-gathers K/V (arXiv 2407.21783, Sec. 3.3.2); autopar's runtime runs ring and
+# all-to-all attention. Engines not named (DeepSpeed, llm-foundry) export no cp
+_CP_MODES_BY_ENGINE = {
+    "autopar": RUNTIME_CP_MODES,
+    "megatron": ("ring", "alltoall", "hybrid", "allgather"),
+    "megatron-core": ("ring", "alltoall", "hybrid", "allgather"),
+    "llama3-4d": ("allgather",),
+}
+
+
+def runtime_runs_cp(engine: str) -> bool:
+    """Whether ``engine`` runs context parallelism (cp > 1) as planned: autopar's runtime when
+    ``RUNTIME_RUNS_CP``; Megatron-LM/Megatron-Core and Llama 3's 4D engine express it in their
+    launch settings (--context-parallel-size)."""
+    if engine == "autopar":
+        return RUNTIME_RUNS_CP
+    return engine in _CP_MODES_BY_ENGINE
+
+
+def runtime_cp_modes(engine: str) -> tuple[str, ...]:
+    """The cp modes (how cp ranks exchange keys and values) ``engine`` runs; empty when it
+    runs no context parallelism."""
+    return _CP_MODES_BY_ENGINE.get(engine, ()) if runtime_runs_cp(engine) else ()
+
+
+def proposed_cp(pins: dict, engine: str = "autopar") -> int | None:
+    """The context-parallel degree the search tries: the pinned one; None (every degree the
+    model allows) where ``engine`` runs context parallelism; else 1. The free search proposes
+    only what the engine runs (``runtime_runs_cp``)."""
+    if "cp" in pins:
+        return int(pins["cp"])
+    return None if runtime_runs_cp(engine) else 1
 
 
 def context_parallel_refusal(engine: str, cp: int, mode: str = "ring", pp: int = 1
@@ -112,6 +142,8 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                 "recompute=full)")
     if cp > 1 and ep > 1:
         return "context parallelism with expert parallelism (constraints ep=1 or cp=1)"
+    if cp > 1 and pp > 1:  # traced stages do not take the cp attention yet
+        return ("context parallelism inside pipeline stages (constraints pp=1 or cp=1)")
     if ep > 1 and sequence_parallel and tp > 1:
         return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)

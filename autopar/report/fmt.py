@@ -62,10 +62,13 @@ def delta_seconds(s: float) -> str:
     return ("+" if s >= 0 else "-") + seconds(abs(s))
 
 
-def mesh(m: dict) -> str:
-    """``pp=1 dp=64 tp=1 ep=1``; ``pp=16 dp=8 cp=16 tp=8 ep=1`` with context parallelism."""
-    axes = ("pp", "dp", "cp", "tp", "ep") if m.get("cp", 1) > 1 else ("pp", "dp", "tp", "ep")
-    return " ".join(f"{k}={m[k]}" for k in axes)
+def mesh(m: dict, cp_mode: str | None = None) -> str:
+    """``pp=1 dp=64 tp=1 ep=1``; ``pp=16 dp=8 cp=16 tp=8 ep=1`` with context parallelism,
+    ``... cp=16 (allgather) tp=8 ...`` given how its ranks exchange keys and values."""
+    cp = m.get("cp", 1)
+    axes = ("pp", "dp", "cp", "tp", "ep") if cp > 1 else ("pp", "dp", "tp", "ep")
+    return " ".join(f"{k}={m[k]}" + (f" ({cp_mode})" if k == "cp" and cp_mode else "")
+                    for k in axes)
 
 
 def recompute_counts(counts: dict[str, int]) -> str:

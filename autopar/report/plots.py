@@ -172,10 +172,16 @@ def sweep_png(rows: list, labels: list[list[str]]) -> str:
     """Three panels against the device budget (log2 axis), one point per budget with a plan:
     tokens/s and tokens/s per device, MFU, memory per device against the usable memory.
     ``labels[i]`` (what changed, one line each) is written along a dotted line between
-    budgets i-1 and i; budgets without a plan are red bands."""
-    budgets = [r.devices for r in rows]
+    budgets i-1 and i; budgets without a plan are red bands. Rows of a sweep over sequence
+    lengths (``seq`` set) are drawn against the length instead."""
+    by_seq = any(getattr(r, "seq", None) is not None for r in rows)
+
+    def at_x(r) -> int:
+        return r.seq if by_seq else r.devices
+
+    budgets = [at_x(r) for r in rows]
     ok = [r for r in rows if r.plan is not None]
-    xs = [r.devices for r in ok]
+    xs = [at_x(r) for r in ok]
     fig = agg_figure(9, 9)
     top, mid, low = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [1.6, 1, 1]})
     top.plot(xs, [r.plan.predicted.tokens_per_s for r in ok], "o-", color="#4C72B0",
@@ -203,14 +209,15 @@ def sweep_png(rows: list, labels: list[list[str]]) -> str:
                frameon=False)
     for i, (r, label) in enumerate(zip(rows, labels, strict=True)):
         if r.plan is None:
-            lo = (budgets[i - 1] * r.devices) ** 0.5 if i else r.devices / 1.3
-            hi = (budgets[i + 1] * r.devices) ** 0.5 if i + 1 < len(rows) else r.devices * 1.3
+            x = at_x(r)
+            lo = (budgets[i - 1] * x) ** 0.5 if i else x / 1.3
+            hi = (budgets[i + 1] * x) ** 0.5 if i + 1 < len(rows) else x * 1.3
             for ax in (top, mid, low):
                 ax.axvspan(lo, hi, color="#C44E52", alpha=0.12, linewidth=0)
-            mid.text(r.devices, 2, "no plan", ha="center", va="bottom", fontsize=8,
+            mid.text(at_x(r), 2, "no plan", ha="center", va="bottom", fontsize=8,
                      color="#C44E52")
         elif label and i:
-            at = (budgets[i - 1] * r.devices) ** 0.5  # halfway on the log axis
+            at = (budgets[i - 1] * at_x(r)) ** 0.5  # halfway on the log axis
             for ax in (top, mid, low):
                 ax.axvline(at, color="#555555", linestyle=":", linewidth=1)
             # one rotated line per change keeps neighbouring markers' labels apart
@@ -226,7 +233,7 @@ def sweep_png(rows: list, labels: list[list[str]]) -> str:
 
     low.xaxis.set_minor_locator(NullLocator())  # the log axis' own minor ticks would be labelled
     low.set_xlim(budgets[0] / 1.4, budgets[-1] * 1.4)
-    low.set_xlabel("devices")
+    low.set_xlabel("tokens per sequence" if by_seq else "devices")
     for ax in (top, mid, low):
         ax.grid(alpha=0.3)
     return png_base64(fig)

@@ -34,8 +34,9 @@ def summary_section(d: dict) -> Section:
     mem = s["memory"]
     pairs = [
         ("mesh", fmt.mesh(m) + ("  (sequence parallel)" if s["sequence_parallel"] else "")
-         + (f"  (context parallel: {s.get('cp_mode', 'ring')} attention; priced, not run by "
-            f"autopar's runtime)" if m.get("cp", 1) > 1 else "")),
+         + (f"  (context parallel: {s.get('cp_mode', 'ring')} attention"
+            + ("" if s.get("engine_runs_cp") else "; priced, not run by autopar's runtime")
+            + ")" if m.get("cp", 1) > 1 else "")),
         ("batching", f"global {s['global_batch']} = dp*ep {m['dp'] * m['ep']} x micro-batch "
                      f"{s['microbatch_size']} x {s['num_microbatches']} micro-batches"),
         ("schedule", schedule),
@@ -186,7 +187,8 @@ def runner_up_section(d: dict) -> Section:
     rows = []
     for i, a in enumerate(d["runner_ups"], 1):
         rec = a["recompute"]
-        rows.append([str(i), fmt.mesh(a["mesh"]) + (" sp" if a["sequence_parallel"] else ""),
+        rows.append([str(i), fmt.mesh(a["mesh"], a.get("cp_mode"))
+                     + (" sp" if a["sequence_parallel"] else ""),
                      f"ZeRO-{a['zero_stage']}", a["schedule"],
                      f"{a['microbatch_size']} x {a['num_microbatches']}",
                      fmt.recompute_short(rec),
@@ -199,11 +201,35 @@ def runner_up_section(d: dict) -> Section:
     if rows:
         lines.append("worst case = the slower of the step with every collective and host "
                      "transfer 1.5x slower and with half the overlap")
+    if d.get("context_parallel"):
+        lines.append(context_parallel_line(d["context_parallel"]))
     return Section("Why this plan: the runner-ups", rows=rows, lines=lines,
                    headers=["#", "mesh", "ZeRO", "schedule", "micro-batches", "recompute",
                             "offload", "step", "slower", "worst case", "memory", "larger",
                             "lost on"],
                    numeric={7, 8, 9, 10, 11}, anchor="runner-ups")
+
+
+def context_parallel_line(cp: dict) -> str:
+    """Why the plan has (or has not) context parallelism: the best plan of the other side
+    and what it lost on, or why there is none."""
+    side = f"{cp['rival']} context parallelism"
+    best = cp.get("best")
+    if best is not None:
+        return (f"{side}: the best plan ({fmt.mesh(best['mesh'], best.get('cp_mode'))}) takes "
+                f"{fmt.seconds(best['step_time_s'])} ({fmt.pct(best['slower'], signed=True)}), "
+                f"memory {fmt.nbytes(best['memory_total'])} "
+                f"({fmt.pct(best['larger'], signed=True)}); lost on {best['lost_on']}")
+    if cp["over_memory"] and cp.get("least_pruned_bound_s") is None:
+        return f"{side}: nothing fits ({cp['over_memory']} candidates over memory)"
+    parts = []
+    if cp["over_memory"]:
+        parts.append(f"{cp['over_memory']} candidates over memory")
+    if cp.get("least_pruned_bound_s") is not None:
+        parts.append(f"{'the rest' if parts else 'every plan'} at least "
+                     f"{fmt.seconds(cp['least_pruned_bound_s'])} (a lower bound: pruned, "
+                     f"never fully priced)")
+    return f"{side}: " + ("; ".join(parts) or f"{cp['candidates']} candidates, none fitted")
 
 
 def bounds_section(d: dict) -> Section:

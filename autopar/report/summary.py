@@ -8,6 +8,7 @@ says so in ``notes``.
 from __future__ import annotations
 
 from autopar.plan import Plan
+from autopar.plan.support import runtime_runs_cp
 from autopar.report import fmt
 from autopar.report.fmt import MEMORY_KINDS, TIME_LABELS, TIME_TERMS
 from autopar.search.robust import MEMORY_RISK_FRACTION
@@ -77,7 +78,8 @@ def _runner_ups(plan: Plan) -> list[dict]:
     for a in plan.alternatives:
         mem = a.get("memory_total", 0.0)
         out.append({
-            "mesh": a["mesh"], "zero_stage": a["zero_stage"], "schedule": a["schedule"],
+            "mesh": a["mesh"], "cp_mode": a.get("cp_mode") if a["mesh"].get("cp", 1) > 1
+            else None, "zero_stage": a["zero_stage"], "schedule": a["schedule"],
             "microbatch_size": a["microbatch_size"], "num_microbatches": a["num_microbatches"],
             "sequence_parallel": a.get("sequence_parallel", False),
             "recompute": a.get("recompute_blocks") or {m: None for m in a.get("recompute", [])},
@@ -90,6 +92,19 @@ def _runner_ups(plan: Plan) -> list[dict]:
             "lost_on": _lost_on(chosen, a, plan),
         })
     return out
+
+
+def _context_parallel(plan: Plan) -> dict | None:
+    """Where the search weighed plans with and without context parallelism: the other
+    side's best plan (with what it lost on) or why it has none; else None."""
+    cp = plan.solver.get("context_parallel")
+    if not cp:
+        return None
+    best = cp.get("best")
+    if best is not None:
+        best = {**best, "cp_mode": best.get("cp_mode") if best["mesh"].get("cp", 1) > 1
+                else None, "lost_on": _lost_on(plan.predicted.breakdown, best, plan)}
+    return {**cp, "best": best}
 
 
 def _robustness(plan: Plan) -> dict | None:
@@ -220,7 +235,7 @@ def report_data(plan: Plan) -> dict:
             "memory_fraction": p.memory["total"] / limit if limit else None,
             "host_bytes_per_node": p.host_bytes_per_node,
             "precision": dict(plan.precision), "engine": plan.engine,
-            "cp_mode": plan.cp_mode,
+            "cp_mode": plan.cp_mode, "engine_runs_cp": runtime_runs_cp(plan.engine or "autopar"),
             "peft": dict(plan.peft), "trainable_params": plan.trainable_params,
             "model_params": plan.model.get("params", 0),
             "serving": {"prefill_s": p.prefill_s, "decode_s_per_token": p.decode_s_per_token,
@@ -230,6 +245,7 @@ def report_data(plan: Plan) -> dict:
         "robustness": _robustness(plan),
         "breakdown": breakdown, "bottleneck_stage": bottleneck,
         "stages": _stage_rows(plan), "runner_ups": _runner_ups(plan), "bounds": _bounds(plan),
+        "context_parallel": _context_parallel(plan),
         "solver": {k: plan.solver.get(k) for k in ("gap", "bound_s", "evaluated",
                                                     "pruned_by_bound", "rejected", "timed_out",
                                                     "method", "sharding",

@@ -1,4 +1,5 @@
-"""A sweep over device budgets (:func:`autopar.sweep`'s rows) as text, markdown, JSON, or one
+"""A sweep over device budgets (:func:`autopar.sweep`'s rows) or sequence lengths
+(:func:`autopar.search.sweep.sweep_seq`'s) as text, markdown, JSON, or one
 self-contained HTML file whose figure marks where the plan's shape changes."""
 
 from __future__ import annotations
@@ -46,12 +47,26 @@ def short_reason(reason: str) -> str:
     return text[:_REASON_CHARS].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
+def tokens(n: int) -> str:
+    """A sequence length: ``8k`` and ``1M`` for multiples of 1024, else the count."""
+    if n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _by_seq(rows: list[SweepRow]) -> bool:
+    """Whether the rows sweep sequence lengths (one budget) rather than budgets."""
+    return any(r.seq is not None for r in rows)
+
+
 def _title(rows: list[SweepRow]) -> str:
     plan = next(r.plan for r in rows if r.plan is not None)
     name = plan.model.get("model_type") or plan.model.get("source", "model")
     shapes = list(plan.model.get("inputs", {}).values())
     seq = f", {shapes[0][-1]} tokens per sequence" if shapes and shapes[0] else ""
-    budgets = [r.devices for r in rows]
+    if _by_seq(rows):
+        seq = f", {tokens(rows[0].seq)} to {tokens(rows[-1].seq)} tokens per sequence"
+    budgets = sorted({r.devices for r in rows})
     span = f"{budgets[0]} to {budgets[-1]}" if len(budgets) > 1 else f"{budgets[0]}"
     batches = {r.global_batch for r in rows}
     infer = plan.task == "infer"
@@ -79,13 +94,15 @@ def table_section(rows: list[SweepRow]) -> Section:
     # that), e.g. a latency bound's pick of concurrency
     batches = len({r.global_batch for r in rows}) > 1 and \
         any(r.global_batch != r.devices for r in rows)
-    headers = ["devices", *(["batch"] if batches else []), "mesh", "ZeRO",
+    by_seq = _by_seq(rows)
+    headers = ["seq" if by_seq else "devices", *(["batch"] if batches else []), "mesh", "ZeRO",
                "pipeline, micro-batch", "recompute", *(["offload"] if offloads else []),
                "step time", "tokens/s", "tokens/s/device", "MFU", "memory/device", "changes"]
     body = []
     for r in rows:
         p = r.plan
-        lead = [str(r.devices), *([str(r.global_batch)] if batches else [])]
+        lead = [tokens(r.seq) if by_seq else str(r.devices),
+                *([str(r.global_batch)] if batches else [])]
         if p is None:
             body.append([*lead, *["-"] * (len(headers) - len(lead) - 1),
                          "no plan: " + short_reason(r.reason or "")])
@@ -93,7 +110,8 @@ def table_section(rows: list[SweepRow]) -> Section:
         pred = p.predicted
         used = pred.memory["total"] / p.memory_limit_bytes if p.memory_limit_bytes else None
         body.append([
-            *lead, fmt.mesh(p.mesh) + (" +sp" if p.sequence_parallel else ""),
+            *lead, fmt.mesh(p.mesh, p.cp_mode if p.mesh.get("cp", 1) > 1 else None)
+            + (" +sp" if p.sequence_parallel else ""),
             str(p.zero_stage), _schedule(r), fmt.recompute_short(p.recompute_counts()),
             *([fmt.offload(p.offload)] if offloads else []), fmt.seconds(pred.step_time_s),
             fmt.count(pred.tokens_per_s), fmt.count(pred.tokens_per_s / r.devices),
@@ -102,7 +120,8 @@ def table_section(rows: list[SweepRow]) -> Section:
     numeric = {0, int(batches), headers.index("step time"), headers.index("tokens/s"),
                headers.index("tokens/s/device"), headers.index("MFU"),
                headers.index("memory/device")}
-    return Section("Best plan per device budget", headers=headers, rows=body, numeric=numeric,
+    return Section("Best plan per sequence length" if by_seq else "Best plan per device budget",
+                   headers=headers, rows=body, numeric=numeric,
                    anchor="sweep")
 
 
@@ -116,9 +135,11 @@ def notes_section(rows: list[SweepRow]) -> Section:
              "pipeline, micro-batch: the schedule (none with one stage), then sequences per "
              "micro-batch x micro-batches per step.",
              "changes: the shape fields that differ from the previous row with a plan; dp "
-             "(devices / (pp x tp x ep)) and the number of micro-batches follow the budget, "
-             "so they are not counted."]
-    lines += [f"{r.devices} devices: {r.note}" for r in rows if r.note]
+             "(devices / (pp x cp x tp x ep)) and the number of micro-batches follow the "
+             "budget, so they are not counted; cp (cp_mode) is context parallelism: ranks "
+             "that split each sequence, and how they exchange keys and values."]
+    lines += [f"{tokens(r.seq) if r.seq else r.devices}"
+              f"{' tokens' if r.seq else ' devices'}: {r.note}" for r in rows if r.note]
     return Section("Notes", lines=lines, anchor="notes")
 
 

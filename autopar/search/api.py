@@ -18,6 +18,7 @@ from autopar.plan.plan import Plan, round6
 from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
+from autopar.search.cp_rival import rival_record
 from autopar.search.placements import placements
 from autopar.search.planner import SearchResult, search
 from autopar.search.sharding import solve_layouts
@@ -147,6 +148,16 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
                                           result.estimate, capacity, result.rejected,
                                           result.memory_rejected_bounds)
     plan.explain = record.explain(graph, hw, result.config, tps, layouts)
+    if result.cp_rival is not None:  # plans with and without cp were weighed: the other side
+        plan.solver["context_parallel"] = rival_record(graph, hw, result.config, result.estimate,
+                                                       result.cp_rival, task)
+    cp_reason = _context_parallel_refusal(model, example_inputs, plan)
+    if cp_reason is not None:  # cp does not run on this model: the best plan without it
+        if "cp" in pins:
+            raise PlanError(f"cp={pins['cp']} does not run on this model ({cp_reason}); "
+                            f"re-plan with constraints cp=1")
+        plan = plan_from_spec(replace(spec, constraints=[constraints or {}, {"cp": 1}]))
+        plan.solver["context_parallel_refused"] = cp_reason
     refusal = _tensor_parallel_refusal(model, example_inputs, plan)
     if refusal is not None:  # the layout does not run: the best plan without it
         reason, avoid = refusal
@@ -157,6 +168,16 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
         plan = plan_from_spec(replace(spec, constraints=[constraints or {}, avoid]))
         plan.solver["tensor_parallel_refused"] = reason
     return plan
+
+
+def _context_parallel_refusal(model: object, example_inputs: object, plan: Plan) -> str | None:
+    from autopar.search.verify_cp import context_parallel_refusal
+    from autopar.search.verify_tp import model_and_inputs
+
+    if plan.mesh.get("cp", 1) == 1 or (plan.engine or "autopar") != "autopar":
+        return None
+    found = model_and_inputs(model, example_inputs)
+    return context_parallel_refusal(found[0] if found is not None else None, plan)
 
 
 def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan
@@ -250,6 +271,12 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
         raise PlanError(f"ep={pins['ep']} does not divide the model's {facts.experts} experts"
                         if facts.experts else
                         f"ep={pins['ep']} needs a mixture-of-experts model; this one has none")
+    cp = pins.get("cp", 1)
+    chunks = cp if pins.get("cp_mode") == "alltoall" else 2 * cp  # the ring balances 2 cp
+    if cp > 1 and facts.seq % chunks and (pins.get("cp_mode") or facts.seq % cp):
+        raise PlanError(f"cp={cp} cannot split {facts.seq}-token sequences into {chunks} equal "
+                        f"chunks; pin a cp that does, or a sequence length divisible by "
+                        f"{chunks}")
     if pins.get("cp", 1) > 1 and pins.get("cp_mode", "ring") == "alltoall":
         tps = [pins["tp"]] if "tp" in pins else [t for t in range(1, devices + 1)
                                                   if devices % t == 0 and facts.tp_ok(t)]

@@ -97,6 +97,32 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     return seconds
 
 
+def _lane_seconds(c, config: ParallelConfig, train: bool) -> tuple[float, float]:
+    """(forward, backward) seconds block cost ``c`` (no recompute) puts on its stage's
+    compute lane per micro-batch: compute, and the tensor-, expert- and context-parallel
+    collectives the estimate's ``stage_cost`` adds to it."""
+    tp_f, tp_b = tp_lane(c, config.engine, True) if train else (c.tp_comm_s, 0.0)
+    forward = c.fwd_s + tp_f + c.ep_comm_s / 2 + c.cp_fwd_comm_s
+    if not train:
+        return forward, 0.0
+    return forward, c.bwd_s + tp_b + c.ep_comm_s / 2 + c.cp_bwd_comm_s
+
+
+def pipelined_work_lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig,
+                               train: bool) -> float:
+    """No candidate that shares ``config``'s mesh, micro-batching, sequence parallelism and
+    layouts (any ZeRO stage, schedule, offload, recompute or stage partition: none of them
+    changes a block's cost) has a shorter step: m micro-batches of the blocks' lane seconds
+    spread perfectly over the pp stages. Every branch of :func:`_lower_bound` is at least
+    this (data-parallel collectives only lengthen a pass: ``overlapped(x, y) >= x``), so the
+    search may order and prune whole groups of candidates by it before pricing their knobs."""
+    work = 0.0
+    for blocks in graph.block_types().values():
+        c = cached_block_cost(graph, blocks[0].index, config, cluster, "none")
+        work += len(blocks) * sum(_lane_seconds(c, config, train))
+    return config.num_microbatches * work / config.pp
+
+
 def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: bool,
                  schedule: str = "1f1b", virtual_stages: int = 1,
                  recompute_s: float = 0.0) -> float:
@@ -125,13 +151,16 @@ def _lower_bound(graph: Graph, cluster: Cluster, config: ParallelConfig, train: 
         tp_f, tp_b = tp_lane(c, config.engine, True) if train else (c.tp_comm_s / 2,
                                                                     c.tp_comm_s / 2)
         # what a block puts on its stage's compute lane (as the estimate's stage_cost does)
-        per_type[blocks[0].type_id] = c.fwd_s + tp_f + tp_b + (
+        # context parallelism's exposed exchanges sit on the same lane (least without
+        # recompute: a recomputed attention exchanges again)
+        cp_f, cp_b = c.cp_fwd_comm_s, (c.cp_bwd_comm_s if train else 0.0)
+        per_type[blocks[0].type_id] = c.fwd_s + tp_f + tp_b + cp_f + cp_b + (
             c.bwd_s + c.ep_comm_s if train else c.ep_comm_s / 2)
         smallest_send = min(smallest_send, c.output_bytes)
         weight_grad += count * c.bwd_s / 2 if train else 0.0
-        compute_f += count * (c.fwd_s + (tp_f if train else c.tp_comm_s) + c.ep_comm_s / 2)
-        if train:
-            compute_b += count * (c.bwd_s + tp_b + c.ep_comm_s / 2)
+        lane_f, lane_b = _lane_seconds(c, config, train)
+        compute_f += count * lane_f
+        compute_b += count * lane_b
         if reduces:
             traffic = cached_block_traffic(graph, i, config, cluster)
             gather += count * traffic.gather_s if zero3 else 0.0

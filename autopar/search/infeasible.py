@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
+from autopar.plan.support import runtime_runs_cp
 from autopar.search.space import ModelFacts, divisors
 
 
@@ -25,7 +26,8 @@ def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, device
                 f"batch divisible by the data-parallel degree, another device count, or fewer "
                 f"constraints")
     need, config, est = leanest
-    where = (f"the leanest candidate (pp={config.pp} dp={config.dp} tp={config.tp} "
+    cp = f" cp={config.cp}" if config.cp > 1 else ""
+    where = (f"the leanest candidate (pp={config.pp} dp={config.dp}{cp} tp={config.tp} "
              f"ep={config.ep}, ZeRO-{config.zero_stage}, full recompute"
              f"{', offload ' + '+'.join(sorted(config.offload)) if config.offload else ''}) "
              f"needs {human(need, 'B')}")
@@ -39,8 +41,11 @@ def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, device
         if top == "model states":
             way_out = "use more devices (ZeRO-3 splits the states), offload, or a larger device"
         elif top == "activations":
-            way_out = ("use a shorter sequence, more pipeline or tensor-parallel devices, or a "
-                       "device with more memory")
+            # context parallelism splits the sequence, where the engine runs it
+            axes = ("pipeline, tensor- or context-parallel" if runtime_runs_cp(config.engine)
+                    else "pipeline or tensor-parallel")
+            way_out = (f"use a shorter sequence, more {axes} devices, or a device with more "
+                       f"memory")
         else:
             way_out = "use more tensor-parallel devices, a shorter sequence or a larger device"
     else:

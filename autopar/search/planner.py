@@ -27,7 +27,13 @@ from autopar.cost.hardware import Cluster
 from autopar.errors import InfeasibleError
 from autopar.ir.graph import Graph
 from autopar.plan.support import unsupported
-from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
+from autopar.search.best_first import BestFirst, CandidateGroup
+from autopar.search.bounds import (
+    candidate_lower_bound,
+    memory_lower_bound,
+    pipelined_work_lower_bound,
+)
+from autopar.search.cp_rival import CpRival
 from autopar.search.infeasible import infeasible_message
 from autopar.search.robust import MEMORY_RISK_FRACTION, ROBUST_MARGIN, robust_choice
 from autopar.search.space import (
@@ -67,21 +73,23 @@ class SearchResult:
     memory_rejected_bounds: list[float] = field(default_factory=list)
     fastest: tuple[ParallelConfig, Estimate] | None = None  # the nominal optimum
     robust: dict = field(default_factory=dict)  # how the choice among near-optimal plans went
+    # the plans with and without context parallelism, where the search weighed both
+    cp_rival: CpRival | None = None
 
 
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # model chunks per device the interleaved schedule tries
 
 
-def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, task: str,
-               global_batch: int, pins: dict, allow_cross_node_tp: bool,
-               rejected: dict[str, int], defaults: dict,
-               layouts: dict[int, TPLayouts] | None = None,
-               capacity: float = float("inf"), reasons: set[str] | None = None
-               ) -> list[Candidate]:
-    out: list[Candidate] = []
-    reasons = set() if reasons is None else reasons  # why the runtime refused candidates
+def candidate_groups(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
+                     task: str, global_batch: int, pins: dict, allow_cross_node_tp: bool,
+                     defaults: dict, layouts: dict[int, TPLayouts] | None = None
+                     ) -> list[CandidateGroup]:
+    """One group per mesh (with its cp mode) x micro-batch x sequence parallelism, bounded by
+    :func:`pipelined_work_lower_bound`; :func:`_knob_variants` expands one into candidates."""
+    out: list[CandidateGroup] = []
+    train = task != "infer"
     meshes = legal_meshes(facts, devices, global_batch, cluster.devices_per_node, pins,
-                          allow_cross_node_tp)
+                          allow_cross_node_tp, engine=defaults.get("engine", "autopar"))
     for mesh in meshes:
         stages = pinned_stages(graph, mesh.pp, pins, defaults.get("engine", "autopar"))
         replica_batch = global_batch // (mesh.dp * mesh.ep)
@@ -100,13 +108,14 @@ def candidates(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int, 
                 if pins.get("sequence_parallel", sp) != sp:
                     continue
                 base = ParallelConfig(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-                                      cp=mesh.cp, cp_mode=pins.get("cp_mode", "ring"),
+                                      cp=mesh.cp, cp_mode=mesh.cp_mode,
                                       sequence_parallel=sp, microbatch_size=mb,
                                       num_microbatches=m, stages=stages,
                                       tp_layouts=tp_layouts, **defaults)
-                out.extend(_knob_variants(graph, cluster, base, mesh, facts, task, pins,
-                                          rejected, capacity, reasons))
-    out.sort()
+                out.append(CandidateGroup(
+                    pipelined_work_lower_bound(graph, cluster, base, train),
+                    (mesh.cp, int(sp), mesh.pp, mesh.tp, mesh.ep, mb, mesh.cp_mode),
+                    base, mesh))
     return out
 
 
@@ -163,8 +172,9 @@ def _knob_variants(graph: Graph, cluster: Cluster, base: ParallelConfig, mesh: M
                     continue
                 bound = candidate_lower_bound(graph, facts, cluster, config, task, capacity,
                                               pins.get("recompute"))
-                tie = (oi, zero, si, int(base.sequence_parallel), mesh.pp, mesh.tp, mesh.ep,
-                       base.microbatch_size)
+                # equal bounds: no context parallelism before some (it only adds exchanges)
+                tie = (oi, zero, si, int(base.sequence_parallel), mesh.cp, mesh.pp, mesh.tp,
+                       mesh.ep, base.microbatch_size, mesh.cp_mode)
                 out.append(Candidate(bound, tie, config))
     if not out and not rejected.get("runtime"):
         rejected["pinned"] = rejected.get("pinned", 0) + 1
@@ -206,33 +216,38 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
     reasons: set[str] = set()
     result = None
     for cross_node in (False, True):
-        cands = candidates(graph, facts, cluster, devices, task, global_batch, pins, cross_node,
-                           rejected, defaults or {}, layouts, capacity, reasons)
+        groups = candidate_groups(graph, facts, cluster, devices, task, global_batch, pins,
+                                  cross_node, defaults or {}, layouts)
+        # candidates in lower-bound order; a group is priced only when its bound is reached
+        cands = BestFirst(groups, lambda g: _knob_variants(
+            graph, cluster, g.base, g.payload, facts, task, pins, rejected, capacity, reasons))
         best: tuple[ParallelConfig, Estimate] | None = None
         found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
         evaluated = pruned = 0
         leanest: tuple[float, ParallelConfig, Estimate | None] | None = None
         bound = float("inf")
         timed_out = False
+        rival = CpRival.of([g.base for g in groups])
         for k, cand in enumerate(cands):
             # keep going while a candidate could land within the robustness margin
             if best is not None and cand.lower_bound_s >= best[1].step_time_s * (
                     1 + ROBUST_MARGIN):
-                pruned += len(cands) - k
                 bound = min(cand.lower_bound_s, best[1].step_time_s)
+                pruned += _prune_rest(cand, cands, rival)
                 break
             if (time_limit_s is not None and best is not None
                     and time.perf_counter() - started > time_limit_s):
                 timed_out = True
                 bound = cand.lower_bound_s
-                pruned += len(cands) - k
+                pruned += _prune_rest(cand, cands, rival)
                 break
             if progress and k % 64 == 0:
-                progress(k / max(len(cands), 1), f"{k}/{len(cands)} candidates")
+                progress(cands.progress(), f"{k} candidates, {len(groups)} meshes")
             config = cand.config
             floor = memory_lower_bound(graph, facts, cluster, config, train)
             if floor > capacity:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                rival.over_memory(config)
                 memory_rejected.append(cand.lower_bound_s)
                 if leanest is None or floor < leanest[0]:
                     leanest = (floor, config, None)
@@ -245,9 +260,11 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                                                    host_capacity, task, pinned_recompute, cutoff)
             if beyond_cutoff:  # nothing within the margin of the best: no better, pruned
                 pruned += 1
+                rival.pruned(config, max(cand.lower_bound_s, cutoff))
                 continue
             if chosen is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                rival.over_memory(config)
                 memory_rejected.append(cand.lower_bound_s)
                 lean_config = replace(config, recompute=pinned_recompute or "full",
                                       stages=None)
@@ -257,6 +274,7 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                 continue
             config, est = chosen
             found.append((est.step_time_s, cand.tie, config, est))
+            rival.fitted(config, est)
             if best is None or est.step_time_s < best[1].step_time_s:
                 best = (config, est)
             # the fastest partition fills memory to the brim; the same mesh with a little more
@@ -283,7 +301,8 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
             result = SearchResult(chosen_plan[0], chosen_plan[1], alternatives,
                                   min(bound, best[1].step_time_s), gap, evaluated, pruned,
                                   rejected, time.perf_counter() - started, timed_out,
-                                  memory_rejected, best, robust)
+                                  memory_rejected, best, robust,
+                                  rival if rival.searched_both() else None)
             break
         if not any(facts.tp_ok(t) for t in divisors(devices) if t > cluster.devices_per_node):
             break  # no wider tensor-parallel degree to try across nodes
@@ -293,6 +312,15 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
     if progress:
         progress(1.0, "done")
     return result
+
+
+def _prune_rest(cand: Candidate, cands: BestFirst, rival: CpRival) -> int:
+    """Count ``cand`` and everything ``cands`` has not yielded as pruned (a group never
+    expanded counts once), telling ``rival`` their bounds."""
+    rest = [(cand.config, cand.lower_bound_s), *cands.rest()]
+    for config, bound_s in rest:
+        rival.pruned(config, bound_s)
+    return len(rest)
 
 
 def _distinct_alternatives(found: list, best: ParallelConfig, keep: int
@@ -312,4 +340,5 @@ def _distinct_alternatives(found: list, best: ParallelConfig, keep: int
 
 
 def _shape(c: ParallelConfig) -> tuple:
-    return (c.pp, c.dp, c.cp, c.tp, c.ep, c.zero_stage, c.schedule, tuple(sorted(c.offload)))
+    return (c.pp, c.dp, c.cp, c.cp_mode, c.tp, c.ep, c.zero_stage, c.schedule,
+            tuple(sorted(c.offload)))

@@ -140,6 +140,7 @@ def runner_up(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Estim
     return {
         "mesh": {"pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
                  "tp": config.tp},
+        **({"cp_mode": config.cp_mode} if config.cp > 1 else {}),  # how cp ranks exchange K/V
         "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
         "zero_stage": config.zero_stage, "schedule": config.schedule,
         "virtual_stages": config.virtual_stages,
@@ -256,7 +257,10 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
         for t in sorted({1, *tps}):
             cfg = replace(config, tp=t, sequence_parallel=config.sequence_parallel and t > 1,
                           tp_layouts=(layouts or {}).get(t))
-            c = cached_block_cost(graph, block.index, cfg, cluster, "none")
+            try:
+                c = cached_block_cost(graph, block.index, cfg, cluster, "none")
+            except ValueError:  # the plan's all-to-all cp cannot split this degree's heads
+                continue
             by_tp[str(t)] = _rounded({
                 "fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.tp_comm_s + c.ep_comm_s,
                 "params": c.dense_params + c.expert_params,

@@ -9,7 +9,7 @@ from autopar.cost.context_parallel import all_to_all_ranks, ulysses_refusal
 from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
 from autopar.peft import is_added_param
-from autopar.plan.support import proposed_cp
+from autopar.plan.support import proposed_cp, runtime_cp_modes
 
 SCHEDULES_PP = ("1f1b", "interleaved", "zero_bubble", "gpipe")
 OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
@@ -138,6 +138,7 @@ class Mesh:
     tp: int
     ep: int
     cp: int = 1
+    cp_mode: str = "ring"  # how the cp ranks exchange keys and values (not an axis)
 
     def as_dict(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp}
@@ -146,34 +147,74 @@ class Mesh:
 MESH_AXES = ("pp", "dp", "cp", "ep", "tp")
 
 
-def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per_node: int,
-                 pins: dict, allow_cross_node_tp: bool = False) -> list[Mesh]:
-    """Every pp x dp x cp x ep x tp = devices that the model and batch allow (and pins keep).
-    Context parallelism is only what the pins ask for: the search proposes cp > 1 only where
-    a pin does (:func:`autopar.plan.support.proposed_cp`)."""
-    cp = proposed_cp(pins)
+def cp_degrees(facts: ModelFacts, devices: int, pins: dict, engine: str | None) -> list[int]:
+    """The context-parallel degrees the search tries: the pinned one; with ``engine`` None
+    (serving) or an engine that runs no context parallelism, 1; else every divisor of the
+    devices whose ranks can share each sequence evenly (cp > 1 only for models with
+    attention, whose sequence it splits)."""
+    pinned = proposed_cp(pins, engine or "autopar") if engine else int(pins.get("cp", 1))
+    if pinned is not None:
+        return [pinned]
+    if not facts.sequence_stream or not facts.heads:
+        return [1]
+    return [c for c in divisors(devices) if c == 1 or facts.seq % c == 0]
+
+
+def cp_modes(facts: ModelFacts, cp: int, tp: int, ep: int, devices_per_node: int, pins: dict,
+             engine: str | None) -> list[str]:
+    """The cp modes worth pricing for one mesh: the pinned one, else each mode ``engine``
+    runs (the ring where it runs none: a pinned cp) that can split this sequence and these
+    heads. Ring, hybrid and all-gather cut the sequence in 2 cp chunks (causal load
+    balancing: rank i holds chunks i and 2cp-1-i); all-to-all needs whole heads per rank; a hybrid whose all-to-all spans 1 or all cp ranks
+    is the ring or the all-to-all, priced once under that name."""
+    if "cp_mode" in pins or cp == 1 or engine is None:
+        return [pins.get("cp_mode", "ring")]
     out = []
-    if devices % cp:
-        return out
-    for tp in divisors(devices // cp):
-        if not facts.tp_ok(tp) or (tp > devices_per_node and not allow_cross_node_tp):
+    # a pinned cp on an engine that runs none is priced as a ring (reported, not run)
+    for mode in runtime_cp_modes(engine) or ("ring",):
+        a2a = all_to_all_ranks(cp, mode, tp, ep, devices_per_node)
+        if mode == "hybrid" and a2a in (1, cp):
             continue
-        if not tp_tiles_nodes(tp, devices_per_node):
+        if facts.seq % (cp if mode == "alltoall" else 2 * cp):
             continue
-        for pp in divisors(devices // (tp * cp)):
-            if pp > facts.blocks:
+        if facts.ulysses_refusal(tp, a2a) is not None:
+            continue
+        out.append(mode)
+    return out
+
+
+def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per_node: int,
+                 pins: dict, allow_cross_node_tp: bool = False,
+                 engine: str | None = None) -> list[Mesh]:
+    """Every pp x dp x cp x ep x tp = devices (with its cp mode) that the model and batch
+    allow (and pins keep). Context parallelism is the pinned degree and mode, else (given
+    the ``engine`` that runs the plan, and only where it runs cp:
+    :func:`autopar.plan.support.runtime_runs_cp`) every degree and mode the model allows;
+    without an engine (serving) the pinned degree or 1."""
+    out = []
+    for cp in cp_degrees(facts, devices, pins, engine):
+        if devices % cp:
+            continue
+        for tp in divisors(devices // cp):
+            if not facts.tp_ok(tp) or (tp > devices_per_node and not allow_cross_node_tp):
                 continue
-            for ep in divisors(devices // (tp * pp * cp)):
-                if not facts.ep_ok(ep):
+            if not tp_tiles_nodes(tp, devices_per_node):
+                continue
+            for pp in divisors(devices // (tp * cp)):
+                if pp > facts.blocks:
                     continue
-                a2a = all_to_all_ranks(cp, pins.get("cp_mode", "ring"), tp, ep,
-                                       devices_per_node)
-                if facts.ulysses_refusal(tp, a2a) is not None:
-                    continue  # Ulysses' all-to-all needs whole heads per rank
-                dp = devices // (tp * pp * ep * cp)
-                if global_batch % (dp * ep):
-                    continue
-                mesh = Mesh(pp, dp, tp, ep, cp)
-                if all(getattr(mesh, k) == v for k, v in pins.items() if k in MESH_AXES):
-                    out.append(mesh)
+                for ep in divisors(devices // (tp * pp * cp)):
+                    if not facts.ep_ok(ep):
+                        continue
+                    dp = devices // (tp * pp * ep * cp)
+                    if global_batch % (dp * ep):
+                        continue
+                    for mode in cp_modes(facts, cp, tp, ep, devices_per_node, pins, engine):
+                        a2a = all_to_all_ranks(cp, mode, tp, ep, devices_per_node)
+                        if facts.ulysses_refusal(tp, a2a) is not None:
+                            continue  # Ulysses' all-to-all needs whole heads per rank
+                        mesh = Mesh(pp, dp, tp, ep, cp, mode)
+                        if all(getattr(mesh, k) == v for k, v in pins.items()
+                               if k in MESH_AXES):
+                            out.append(mesh)
     return out

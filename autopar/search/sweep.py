@@ -19,8 +19,8 @@ from autopar.search.constraints import load_constraints
 # What makes a plan's shape: dp is left out (it is devices / (pp x tp x ep), so it grows with
 # every budget), and so is the number of micro-batches (the replica's batch divided by the
 # micro-batch size); naming them would mark every row as a change.
-SHAPE_FIELDS = ("pp", "tp", "ep", "zero_stage", "schedule", "microbatch_size", "recompute",
-                "offload", "sequence_parallel")
+SHAPE_FIELDS = ("pp", "tp", "ep", "cp", "cp_mode", "zero_stage", "schedule", "microbatch_size",
+                "recompute", "offload", "sequence_parallel")
 
 
 @dataclass
@@ -35,6 +35,7 @@ class SweepRow:
     # the shape fields that differ from the previous feasible row: {"field", "before", "after"}
     changes: list[dict] = field(default_factory=list)
     note: str | None = None  # what the global batch does to this budget, when it matters
+    seq: int | None = None  # tokens per sequence, in a sweep over sequence lengths
 
     @property
     def feasible(self) -> bool:
@@ -46,7 +47,9 @@ class SweepRow:
         p = self.plan
         if p is None:
             return {}
-        return {"pp": p.mesh["pp"], "tp": p.mesh["tp"], "ep": p.mesh["ep"],
+        cp = p.mesh.get("cp", 1)
+        return {"pp": p.mesh["pp"], "tp": p.mesh["tp"], "ep": p.mesh["ep"], "cp": cp,
+                "cp_mode": p.cp_mode if cp > 1 else "-",
                 "zero_stage": p.zero_stage, "schedule": schedule_label(p),
                 "microbatch_size": p.microbatch_size, "recompute": tuple(p.recompute),
                 "offload": sorted(p.offload), "sequence_parallel": p.sequence_parallel}
@@ -55,13 +58,15 @@ class SweepRow:
         """The row as plain data (what ``autopar sweep --format json`` prints)."""
         row: dict = {"devices": self.devices, "global_batch": self.global_batch,
                      "feasible": self.feasible}
+        if self.seq is not None:
+            row["seq"] = self.seq
         p = self.plan
         if p is None:
             row["reason"] = self.reason
         else:
             pred = p.predicted
             row.update({
-                "mesh": dict(p.mesh), "zero_stage": p.zero_stage, "schedule": p.schedule,
+                "mesh": dict(p.mesh), "cp_mode": p.cp_mode, "zero_stage": p.zero_stage, "schedule": p.schedule,
                 "virtual_stages": p.virtual_stages, "microbatch_size": p.microbatch_size,
                 "num_microbatches": p.num_microbatches, "recompute": p.recompute_counts(),
                 "offload": list(p.offload), "sequence_parallel": p.sequence_parallel,
@@ -156,6 +161,60 @@ def sweep(model: nn.Module | str | Path | Graph, devices: Iterable[int],
     if len(refused) == len(rows) and len({str(e) for e in refused}) == 1:
         raise refused[0]  # the same refusal at every budget is the input's, not a budget's
     return rows
+
+
+def sweep_seq(model: nn.Module | str | Path, seqs: Iterable[int], *, devices: int,
+              on_seq: Callable[[int, int, int], None] | None = None,
+              capture: Callable[[int], Graph] | None = None,
+              **plan_kwargs: object) -> list[SweepRow]:
+    """Plan ``model`` (a name or config :func:`autopar.plan` captures) on ``devices`` devices
+    for each sequence length in ``seqs`` (ascending, duplicates dropped), capturing it once
+    per length (the captured shapes are the sequence's); ``plan_kwargs`` as :func:`sweep`'s.
+    Rows and ``changes`` as :func:`sweep`'s, each with its ``seq``; where the plan's mesh,
+    context parallelism (cp, cp_mode), recompute or other shape field changes from the
+    previous length, ``changes`` names it. ``on_seq(seq, i, n)`` is called before each;
+    ``capture(seq)``, when given, captures the model at a length (the CLI's capture)."""
+    given = list(seqs)
+    if not given or any(not isinstance(s, int) or s < 1 for s in given):
+        raise PlanError(f"sequence lengths must be positive integers, got {given!r}")
+    if isinstance(model, Graph):
+        raise PlanError("a captured graph has one sequence length; pass the model (its name "
+                        "or config) to sweep sequence lengths")
+    if "seq" in plan_kwargs:
+        raise PlanError("sweep_seq takes its sequence lengths as seqs, not seq=")
+    pins = load_constraints(plan_kwargs.get("constraints"))
+    task = str(plan_kwargs.get("task", "train"))
+    ordered = sorted(set(given))
+    rows: list[SweepRow] = []
+    previous: SweepRow | None = None
+    for i, seq in enumerate(ordered):
+        if on_seq is not None:
+            on_seq(seq, i, len(ordered))
+        graph = capture(seq) if capture is not None else model_graph(
+            model, None, task, pins, seq, plan_kwargs.get("peft"))
+        batch = plan_kwargs.get("global_batch") or default_global_batch(pins, devices)
+        try:  # the graph carries the fine-tuning method
+            result = plan(graph, devices=devices,
+                          **{k: v for k, v in plan_kwargs.items() if k != "peft"})
+        except (InfeasibleError, PlanError) as exc:
+            rows.append(SweepRow(devices, batch, reason=str(exc), seq=seq))
+            continue
+        row = SweepRow(devices, result.global_batch, plan=result, seq=seq,
+                       note=_note(devices, result.global_batch, task))
+        if previous is not None:
+            row.changes = shape_changes(previous, row)
+        rows.append(row)
+        previous = row
+    return rows
+
+
+def tokens_range(first: int, last: int) -> list[int]:
+    """``first``, twice that, ... up to ``last`` (sequence lengths: ``8192..1048576`` is the
+    eight powers of two from 8k to 1M)."""
+    if first < 1 or last < first:
+        raise PlanError(f"a sequence-length range runs from a positive length up: got "
+                        f"{first}..{last}")
+    return devices_range(first, last)
 
 
 def devices_range(first: int, last: int) -> list[int]:

