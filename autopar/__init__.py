@@ -10,10 +10,10 @@ from autopar.codegen import compile_artifact as compile  # noqa: A001 - the publ
 from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 from autopar.plan import Plan
-from autopar.runtime.apply import parallelize
-from autopar.runtime.generate import Generator
 from autopar.search.api import plan
 from autopar.search.sweep import sweep
+from autopar.serve.generate import Generator
+from autopar.train.parallelize import parallelize
 
 __version__ = "0.1.0"
 

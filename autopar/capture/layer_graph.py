@@ -3,7 +3,7 @@ which split parameter each linear reads, and the check that a planned split runs
 rewritten for one rank's shards and executed on meta, before a plan is written).
 
 Shared by the search (it proposes no tensor-parallel layout that fails this check) and the
-runtime (:mod:`autopar.runtime.graph_tp` runs the same rewritten graph on real shards).
+runtime (:mod:`autopar.parallel.graph_tp` runs the same rewritten graph on real shards).
 """
 
 from __future__ import annotations

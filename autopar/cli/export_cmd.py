@@ -80,7 +80,7 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
     if given:
         raise PlanError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --to "
                         f"onnx; drop {'it' if len(given) == 1 else 'them'} with --to hf")
-    from autopar.runtime.hf_export import export_hf
+    from autopar.serve.hf_export import export_hf
 
     report = export_hf(directory, out, dtype=dtype, max_shard_bytes=_bytes(max_shard_size),
                        merge=merge)
@@ -96,7 +96,7 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
 def _export_onnx(model: str, out: str, batch: int | None, max_len: int | None,
                  prompt_len: int | None) -> None:
     from autopar.cli.common import progress
-    from autopar.runtime.onnx_decode import export_onnx
+    from autopar.serve.onnx_decode import export_onnx
 
     sizes = {k: v for k, v in (("batch", batch), ("max_len", max_len),
                                ("prompt_len", prompt_len)) if v is not None}

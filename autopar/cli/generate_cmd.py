@@ -95,7 +95,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
     import torch.distributed as dist
 
     from autopar.errors import PlanError
-    from autopar.runtime.generate import Generator
+    from autopar.serve.generate import Generator
 
     folder = tokenizer or (model if (Path(model) / "tokenizer_config.json").is_file() else None)
     tok = None
@@ -107,7 +107,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = None
     if world > 1:
-        from autopar.codegen import load_artifact
+        from autopar.artifact import load_artifact
 
         if not (Path(model) / "manifest.json").is_file():
             raise PlanError(f"{world} processes need a plan: pass an artifact DIR, or run "
@@ -139,7 +139,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from autopar.runtime.generate import new_tokens
+    from autopar.serve.generate import new_tokens
 
     print_generated(new_tokens(out, ids, eos_token_id), tok, seconds)
 

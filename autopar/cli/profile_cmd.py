@@ -85,7 +85,7 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool,
       autopar profile --quick --format json --quiet
       autopar profile --from-run run-a --from-run run-b --out fitted.yaml
     """
-    from autopar.cost.profile import profile_machine, write_profile
+    from autopar.calibrate.profile import profile_machine, write_profile
 
     if not out.parent.is_dir():
         raise AutoparError(f"cannot write {out}: folder {out.parent} does not exist")
@@ -106,8 +106,8 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool,
 
 
 def _from_runs(runs: list[str], base: str | None, out: Path, fmt: str, quiet: bool) -> None:
-    from autopar.cost.profile import write_profile
-    from autopar.runtime.recalibrate import recalibrate
+    from autopar.calibrate.profile import write_profile
+    from autopar.calibrate.recalibrate import recalibrate
 
     with progress(f"fitting the cost model to {len(runs)} run(s)", quiet):
         data = recalibrate(runs, base)

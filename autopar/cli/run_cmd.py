@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
+from autopar.calibrate.profiling import StepProfiler
 from autopar.cli.common import init_process_group
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
 from autopar.plan.launch import plan_launch
-from autopar.runtime.profiling import StepProfiler
-from autopar.runtime.run_log import RunLog, archive_logs
+from autopar.train.run_log import RunLog, archive_logs
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -37,7 +37,7 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
     from pathlib import Path
 
     from autopar.codegen import load_program, program_file, program_state, regenerate_program
-    from autopar.codegen.program import digest
+    from autopar.artifact import digest
     from autopar.errors import PlanError
 
     name = program_file(plan)
@@ -155,7 +155,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
     """
 
 
-    from autopar.codegen import load_artifact
+    from autopar.artifact import load_artifact
     from autopar.errors import PlanError
 
     manifest, plan = load_artifact(directory)
@@ -182,7 +182,7 @@ def run_cmd(directory: str, steps: int, data: str, seed: int,
         else None
     held = None
     if training["eval_source"] is not None:
-        from autopar.runtime.evaluate import HeldOut
+        from autopar.train.evaluate import HeldOut
 
         held = HeldOut(str(training["eval_source"]), int(training["eval_batches"]))
     elif training["eval_every"]:
@@ -231,7 +231,7 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     import torch.distributed as dist
 
     from autopar.errors import RunFailure
-    from autopar.runtime import Trainer
+    from autopar.train import Trainer
 
     logs = Path(directory) / "logs"
     rank = int(os.environ.get("RANK", "0"))
@@ -259,7 +259,7 @@ def _train(directory: str, manifest: dict, plan, program, kind: str, world: int,
     if trainer.rank == 0:
         summary = getattr(trainer, "profile_summary", None)
         if summary is not None:
-            from autopar.runtime.profiling import summary_text
+            from autopar.calibrate.profiling import summary_text
 
             click.echo(summary_text(summary))
             click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
@@ -279,7 +279,7 @@ def failure_line(exc: BaseException, trainer, plan, logs: Path, ckpt: Path) -> s
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     from autopar.report import fmt
-    from autopar.runtime.checkpoint import latest_checkpoint
+    from autopar.train.checkpoint import latest_checkpoint
 
     rank = trainer.rank
     full_text = "".join(traceback.format_exception(exc))
@@ -323,7 +323,7 @@ def _refuse_unasked_overwrite(directory: str, resume: bool, overwrite: bool) -> 
     """A new run (no --resume) in a directory whose checkpoints an earlier run wrote would
     replace them step by step and move ``latest``: refused unless asked for."""
     from autopar.errors import PlanError
-    from autopar.runtime.checkpoint import latest_checkpoint
+    from autopar.train.checkpoint import latest_checkpoint
 
     ckpt = Path(directory) / "checkpoints"
     last = latest_checkpoint(ckpt)
@@ -338,7 +338,7 @@ def _evaluator(held, trainer):
     if held is None:
         return None
     from autopar.errors import PlanError
-    from autopar.runtime.evaluate import evaluate, held_out_source
+    from autopar.train.evaluate import evaluate, held_out_source
 
     if trainer.task.classifies:
         raise PlanError("--eval measures a language model's loss and perplexity on held-out "
@@ -354,8 +354,8 @@ def _serve(directory: str, manifest: dict, plan, device: str | None, prompts: st
 
     from autopar.cli.generate_cmd import print_generated, read_prompts
     from autopar.errors import PlanError
-    from autopar.runtime.generate import check_sampling, check_servable, serve, serving_model
-    from autopar.runtime.trainer import run_device
+    from autopar.serve.generate import check_sampling, check_servable, serve, serving_model
+    from autopar.train.trainer import run_device
 
     if plan.task != "infer":
         raise PlanError(f"{directory} was compiled for --task {plan.task}; --generate serves an "

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import click
 
-from autopar.runtime.optim import DECAYS, Hyperparameters
+from autopar.train.optim import DECAYS, Hyperparameters
 
 
 def _betas(ctx, param, value: str) -> tuple[float, float]:

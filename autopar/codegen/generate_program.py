@@ -4,7 +4,7 @@ pipeline stages), the KV cache, and the prefill-then-decode loop, as plain PyTor
 over autopar's runtime helpers. ``autopar run DIR --generate`` and ``torchrun
 DIR/generate.py`` execute it; tests load the same text, so what is generated is what runs.
 
-The runtime (:func:`autopar.runtime.generate.serve`) builds the whole model with its weights
+The runtime (:func:`autopar.serve.generate.serve`) builds the whole model with its weights
 on every rank and calls, in this order: ``build_mesh(device)``, ``parallelize(model, mesh)``
 (returning the model and this rank's pipeline stage, or None) and ``generate(model, stage,
 prompts, ...)`` for its data-parallel replica's share of the prompts.
@@ -25,10 +25,10 @@ from autopar.codegen.program import (
     prose,
     torch_style_imports,
 )
+from autopar.parallel.policies import plan_precision
+from autopar.parallel.tensor_parallel import TensorParallelLayout, layer_names
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
-from autopar.runtime.parallelize import plan_precision
-from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 GENERATE_FILE = "generate.py"
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -37,8 +37,8 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
     """The generation program for ``plan`` (task "infer"; ``source``: the manifest's model
     recipe)."""
-    from autopar.runtime.source import build_from_source
-    from autopar.runtime.tensor_parallel import tensor_parallel_layout
+    from autopar.models.source import build_from_source
+    from autopar.parallel.tensor_parallel import tensor_parallel_layout
 
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:
@@ -122,11 +122,11 @@ def _imports(w: _Writer, plan: Plan, source: dict, layout: TensorParallelLayout 
     torch_style_imports(w, layout.styles if layout is not None else None)
     w.blank()
     if layout is not None:
-        w.line("from autopar.runtime import program as ap")
-    w.line("from autopar.runtime.generate import left_pad, new_cache, sample_next")
+        w.line("from autopar.parallel import program_steps as ap")
+    w.line("from autopar.serve.generate import left_pad, new_cache, sample_next")
     if plan.mesh["pp"] > 1:
-        w.line("from autopar.runtime.generate_stages import split_stages")
-    w.line("from autopar.runtime.loss import full, logits_of")
+        w.line("from autopar.parallel.generate_stages import split_stages")
+    w.line("from autopar.train.loss import full, logits_of")
     autopar_style_imports(w, styles)
     w.blank()
     if source.get("kind") == "hf_config":
@@ -157,7 +157,7 @@ def _mesh(w: _Writer, plan: Plan) -> None:
 
 
 def _stages(w: _Writer, plan: Plan) -> None:
-    from autopar.runtime.generate_stages import stage_owners
+    from autopar.parallel.generate_stages import stage_owners
 
     w.line("# pipeline: each rank runs and caches only its layers (the plan's chunk c on "
            "pipeline rank c % pp);")
@@ -196,7 +196,7 @@ def _cache(w: _Writer, plan: Plan, model, layout: TensorParallelLayout | None) -
                    f"heads")
     owners = {}
     if pp > 1:
-        from autopar.runtime.generate_stages import stage_owners
+        from autopar.parallel.generate_stages import stage_owners
 
         for rank in stage_owners(plan).values():
             owners[rank] = owners.get(rank, 0) + 1

@@ -289,7 +289,7 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     fwd_gathers = gathers if per_block and not deferred else none
     # ZeRO-2 keeps the forward's gathers; ZeRO-3 gathers once per micro-batch's backward,
     # under the zero-bubble schedule too: its input step gathers the stage and the weight
-    # step that follows finds it gathered (autopar/runtime/split_backward.py)
+    # step that follows finds it gathered (autopar/parallel/split_backward.py)
     bwd_gathers = gathers if zero == 3 else none
     fwd = forward_with_gathers(
         [a + (b if g else 0.0) for a, b, g in zip(lane_fwd, gather_copies, fwd_gathers,

@@ -264,7 +264,7 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
         "params": graph.num_params,
         "inputs": {i.name: list(i.meta.shape) for i in graph.inputs},
         # the runtime reads the training task from these (token ids or images: see
-        # autopar.runtime.task)
+        # autopar.train.task)
         "input_dtypes": {i.name: i.meta.dtype for i in graph.inputs},
         # the runtime sizes its loss from this (a plain nn.Module has no config to ask)
         "outputs": {o: list(graph.op(o).output_meta[0].shape) for o in graph.outputs
