@@ -8,26 +8,6 @@ from collections.abc import Iterator
 
 import click
 
-_joined_group = False  # this process joined a torchrun job's process group
-
-
-def init_process_group(backend: str, timeout_s: int = 600) -> None:
-    """Join the job's process group (torchrun's environment; a collective fails after
-    ``timeout_s`` seconds without its peers) and remember that this process did: it then ends
-    through :func:`autopar.cli.end_process` without interpreter finalization."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    global _joined_group
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    _joined_group = True
-
-
-def joined_process_group() -> bool:
-    """Whether this process joined a process group (:func:`init_process_group`)."""
-    return _joined_group
-
 
 def fail_message(message: str, ctx: click.Context | None) -> str:
     """One line: ``autopar: error: <cause and fix>``."""

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from autopar.cli.common import init_process_group
 from autopar.plan.launch import plan_launch
+from autopar.train.launch import init_process_group
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:

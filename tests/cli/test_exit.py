@@ -145,7 +145,7 @@ def test_a_rank_exits_without_interpreter_finalization() -> None:
 
     script = ("import atexit, sys\n"
               "from autopar.cli import end_process\n"
-              "from autopar.cli.common import init_process_group\n"
+              "from autopar.train.launch import init_process_group\n"
               "if sys.argv[2] == 'join':\n"
               "    init_process_group('gloo')\n"
               "atexit.register(lambda: print('finalized'))\n"

@@ -8,7 +8,7 @@ import types
 import torch
 
 import autopar
-from autopar.cli.run_cmd import failure_line
+from autopar.train.launch import failure_line
 
 
 def _plan():
