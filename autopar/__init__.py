@@ -5,6 +5,7 @@ Public surface (see docs/architecture.md): ``capture``, ``plan``, ``sweep``, ``c
 """
 
 from autopar import ir
+from autopar._version import __version__
 from autopar.capture import capture
 from autopar.codegen import compile_artifact as compile  # noqa: A001 - the public name
 from autopar.cost.hardware import Cluster
@@ -14,8 +15,6 @@ from autopar.search.api import plan
 from autopar.search.sweep import sweep
 from autopar.serve.generate import Generator
 from autopar.train.parallelize import parallelize
-
-__version__ = "0.1.0"
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "Generator", "InfeasibleError", "Plan",
            "PlanError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
+from autopar._version import __version__
 from autopar.plan import Plan
 from autopar.report import fmt
 from autopar.report.sections import Section
@@ -144,8 +145,6 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
 def page_html(heading: str, subtitle: str, body: str, footer: str) -> str:
     """One self-contained page: the report's inline CSS, ``body`` (HTML), no scripts, nothing
     fetched; ``heading`` and ``subtitle`` (text) name it, ``footer`` (text) closes it."""
-    from autopar import __version__
-
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{escape(heading)}: {escape(subtitle)}</title><style>{_CSS}</style></head>"

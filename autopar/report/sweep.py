@@ -5,16 +5,37 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Protocol
 
 from autopar.errors import PlanError
+from autopar.plan import Plan
+from autopar.plan.schedule import schedule_label
 from autopar.report import fmt
 from autopar.report.sections import Section
-from autopar.search.sweep import SweepRow, schedule_label
 
 FORMATS = ("text", "markdown", "html", "json")
 _LABELS = {"zero_stage": "ZeRO", "microbatch_size": "micro-batch",
            "sequence_parallel": "sequence parallel"}
 _REASON_CHARS = 160
+
+
+
+class SweepRow(Protocol):
+    """One device budget of a sweep as the report reads it (what ``autopar.sweep`` returns:
+    :class:`autopar.search.sweep.SweepRow`). The caller hands the rows over; the report does
+    not import the search, which sits beside it on the same floor."""
+
+    devices: int
+    global_batch: int
+    plan: Plan | None
+    reason: str | None
+    changes: list[dict]
+    note: str | None
+
+    @property
+    def feasible(self) -> bool: ...
+
+    def shape(self) -> dict[str, object]: ...
 
 
 def change_label(change: dict) -> str:
