@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from autopar.calibrate.profile_comm import check_nprocs, measure_collectives
 from autopar.errors import AutoparError
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -196,8 +197,6 @@ def profile_machine(nprocs: int = 2, quick: bool = False, device: str | None = N
                     timeout_s: float = 300.0) -> dict:
     """Measure this machine; returns the catalog mapping (see the module docstring)."""
     import psutil
-
-    from autopar.calibrate.profile_comm import check_nprocs, measure_collectives
 
     if nprocs < 1:
         raise AutoparError(f"--nprocs must be at least 1, got {nprocs}")

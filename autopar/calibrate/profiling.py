@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.calibrate.trace_summary import read_trace, summarize_trace
+from autopar.report import fmt
 
 SUMMARY = "summary.json"
 
@@ -173,8 +174,6 @@ def _profiled_peak(trace: dict) -> float:
 
 def summary_text(summary: dict) -> str:
     """A few lines of the per-stage summary for the console."""
-    from autopar.report import fmt
-
     lines = [f"profiled steps {summary['window'][0]}..{summary['window'][1] - 1}: step "
              f"{fmt.seconds(summary['step_s'])}"]
     for s in summary["stages"]:

@@ -32,10 +32,14 @@ import yaml
 
 from autopar.artifact import load_artifact
 from autopar.calibrate import fit
+from autopar.capture import capture
 from autopar.cost.estimate import estimate
 from autopar.cost.hardware import cluster_file, parse_cluster
+from autopar.cost.pipeline import lone_stage_speedup
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph
+from autopar.models import token_inputs
+from autopar.models.source import build_from_source
 from autopar.plan import Plan
 from autopar.search.replay import plan_config
 
@@ -95,10 +99,6 @@ def _unprofiled_step(d: Path, summary: dict) -> float:
 
 def plan_graph(manifest: dict, plan: Plan) -> Graph:
     """The plan's model captured as the plan captured it (names match its layout)."""
-    from autopar.capture import capture
-    from autopar.models import token_inputs
-    from autopar.models.source import build_from_source
-
     shapes = list(plan.model.get("inputs", {}).values())
     if not shapes or len(shapes[0]) != 2:
         raise PlanError("recalibration re-captures token models ([batch, seq] token ids); "
@@ -120,8 +120,6 @@ def _matmul_samples(runs: list[Run], cluster) -> list[list[float]]:
     """Every matmul call, its time put at the all-busy rate the profile's peak stands for: a
     pipeline stage whose neighbours idle computes up to :func:`lone_stage_speedup` faster on
     shared cores, so its calls count that much slower (at worst, all of them alone)."""
-    from autopar.cost.pipeline import lone_stage_speedup
-
     out = []
     for r in runs:
         speedup = lone_stage_speedup(plan_config(r.plan, r.graph), cluster)

@@ -10,6 +10,10 @@ from collections.abc import Callable, Iterator
 import click
 
 from autopar.cli.common import capture_model
+from autopar.cost.hardware import load_cluster
+from autopar.errors import PlanError
+from autopar.peft import parse_peft
+from autopar.search.constraints import load_constraints
 
 _OPTIONS = [
     click.option("--cluster", default="a100-80g", show_default=True,
@@ -56,18 +60,12 @@ def capture_for_plan(model: str, *, cluster: str, task: str, seq: int | None,
     """Check what fails in milliseconds (pins, cluster, ``--peft``, the latency bound) before
     the seconds to minutes of capture, then capture MODEL once. Returns the graph and the
     constraints as ``autopar.plan`` takes them (a list, or None when none were given)."""
-    from autopar.cost.hardware import load_cluster
-    from autopar.errors import PlanError
-    from autopar.search.constraints import load_constraints
-
     listed = list(constraints) or None
     pins = load_constraints(listed)
     load_cluster(cluster)
     seq = seq or (pins.get("model") or {}).get("seq_length")
     peft_config = None
     if peft is not None:
-        from autopar.peft import parse_peft
-
         if task != "finetune":
             raise PlanError(f"--peft trains part of the model: add --task finetune (not "
                             f"--task {task})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from autopar.cli.common import check_output_path, load_plan, output_format, progress, write_output
+from autopar.errors import PlanError
+from autopar.report.run import load_run
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -48,9 +50,6 @@ def report_cmd(plan_path: str, fmt: str | None, out: str | None, with_run: bool,
     run = None
     if with_run:
         from pathlib import Path
-
-        from autopar.errors import PlanError
-        from autopar.report.run import load_run
 
         if not Path(plan_path).is_dir():
             raise PlanError(f"--run reads a run's logs from its artifact directory; pass the "

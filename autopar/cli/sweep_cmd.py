@@ -9,6 +9,9 @@ import click
 
 from autopar.cli.common import check_output_path, output_format, write_output
 from autopar.cli.plan_options import capture_for_plan, plan_options, search_progress
+from autopar.errors import InfeasibleError, PlanError
+from autopar.report.sweep import render_sweep, short_reason
+from autopar.search.sweep import devices_range, sweep
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -17,9 +20,6 @@ def parse_budgets(ctx: click.Context | None, param: click.Parameter | None,
                   value: str) -> list[int]:
     """``8,16,64`` or ``8..1024`` (8, 16, 32, ... 1024: doubling), or both comma-joined;
     ascending, without repeats."""
-    from autopar.errors import PlanError
-    from autopar.search.sweep import devices_range
-
     budgets: set[int] = set()
     for item in value.split(","):
         item = item.strip()
@@ -80,10 +80,6 @@ def sweep_cmd(model: str, budgets: list[int], cluster: str, task: str,
       autopar sweep mixtral-8x7b --devices 8..256 --constraints tp=2 --out sweep.json
       autopar sweep llama3-8b --devices 1..8 --task infer --global-batch 64 --seq 4096
     """
-    from autopar.errors import InfeasibleError
-    from autopar.report.sweep import render_sweep
-    from autopar.search.sweep import sweep
-
     fmt = output_format(fmt, out, FORMATS)
     if out:
         check_output_path(out)  # before the capture, so a bad path fails in milliseconds
@@ -102,8 +98,6 @@ def sweep_cmd(model: str, budgets: list[int], cluster: str, task: str,
                      time_limit_s=time_limit_s, max_token_latency_ms=max_token_latency_ms)
     planned = time.perf_counter()
     if not any(r.feasible for r in rows):
-        from autopar.report.sweep import short_reason
-
         last = rows[-1]
         raise InfeasibleError(f"no plan for any of the {len(rows)} budgets "
                               f"({', '.join(str(r.devices) for r in rows)} devices); at "

@@ -32,6 +32,10 @@ from autopar.errors import PlanError
 from autopar.files import fsync_dir, fsync_file
 from autopar.models.source import describe_source
 from autopar.plan import PLAN_VERSION, Plan
+from autopar.plan.deepspeed import deepspeed_config
+from autopar.plan.launch import devices_per_node
+from autopar.plan.megatron import megatron_command
+from autopar.plan.mindformers import mindformers_yaml
 from autopar.plan.support import context_parallel_refusal
 
 
@@ -129,19 +133,14 @@ def _write_files(dest: Path, plan: Plan, source: dict, emit: tuple[str, ...]) ->
     if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
         import yaml
 
-        from autopar.plan.mindformers import mindformers_yaml
-
         (dest / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
                                                               sort_keys=False))
     if "megatron" in emit:  # a Megatron-LM launch command, on request
-        from autopar.plan.launch import devices_per_node
-        from autopar.plan.megatron import megatron_command
 
         # nodes as the plan's cluster has them (unknown: one node of all the devices)
         per_node = devices_per_node(plan.cluster) or plan.devices
         (dest / "megatron.sh").write_text(megatron_command(plan, gpus_per_node=per_node))
     if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
-        from autopar.plan.deepspeed import deepspeed_config
 
         (dest / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
                                              + "\n")

@@ -25,8 +25,15 @@ from autopar.codegen.program import (
     prose,
     torch_style_imports,
 )
+from autopar.models.source import build_from_source
+from autopar.parallel.generate_stages import stage_owners
 from autopar.parallel.policies import plan_precision
-from autopar.parallel.tensor_parallel import TensorParallelLayout, layer_names
+from autopar.parallel.tensor_parallel import (
+    TensorParallelLayout,
+    layer_names,
+    tensor_parallel_layout,
+)
+from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
 
@@ -37,13 +44,8 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
     """The generation program for ``plan`` (task "infer"; ``source``: the manifest's model
     recipe)."""
-    from autopar.models.source import build_from_source
-    from autopar.parallel.tensor_parallel import tensor_parallel_layout
-
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:
-        from autopar.peft import apply_peft
-
         apply_peft(model, plan.peft)
     # a decode step has one token: nothing to split over the sequence, so the plan's weights
     # run as plain tensor parallelism; the LM head gathers whole logits for every rank
@@ -157,8 +159,6 @@ def _mesh(w: _Writer, plan: Plan) -> None:
 
 
 def _stages(w: _Writer, plan: Plan) -> None:
-    from autopar.parallel.generate_stages import stage_owners
-
     w.line("# pipeline: each rank runs and caches only its layers (the plan's chunk c on "
            "pipeline rank c % pp);")
     w.line("# another rank's layer is a Relay that passes its input through, the hidden states "
@@ -196,8 +196,6 @@ def _cache(w: _Writer, plan: Plan, model, layout: TensorParallelLayout | None) -
                    f"heads")
     owners = {}
     if pp > 1:
-        from autopar.parallel.generate_stages import stage_owners
-
         for rank in stage_owners(plan).values():
             owners[rank] = owners.get(rank, 0) + 1
     layers = max(owners.values()) if owners else config.num_hidden_layers

@@ -23,10 +23,17 @@ import types
 from torch import nn
 
 from autopar.artifact.load import load_program
+from autopar.models.source import build_from_source
 from autopar.parallel.expert_parallel import experts_use_ddp
+from autopar.parallel.pipeline import chunk_ranges
 from autopar.parallel.policies import data_parallel_wrapper, plan_precision
 from autopar.parallel.style_spec import StyleSpec
-from autopar.parallel.tensor_parallel import TensorParallelLayout, layer_names
+from autopar.parallel.tensor_parallel import (
+    TensorParallelLayout,
+    layer_names,
+    tensor_parallel_layout,
+)
+from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
 
@@ -38,11 +45,8 @@ def program_text(plan: Plan, source: dict, *, model_name: str = "",
                  whole_logits: bool = False) -> str:
     """The program for ``plan`` (``source``: the manifest's model recipe). ``whole_logits``:
     see :func:`model_program_text`."""
-    from autopar.models.source import build_from_source
-
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:  # the layout names the adapters' parameters too
-        from autopar.peft import apply_peft
 
         apply_peft(model, plan.peft)
     return model_program_text(plan, model, source=source, model_name=model_name,
@@ -57,8 +61,6 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     caller's own loss (``autopar.parallelize``), instead of leaving it split over the
     vocabulary for autopar's vocabulary-parallel loss (the Trainer's); the program states
     which."""
-    from autopar.parallel.tensor_parallel import tensor_parallel_layout
-
     source = source or {}
     m = plan.mesh
     layout = None
@@ -419,8 +421,6 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) ->
 
 
 def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
-    from autopar.parallel.pipeline import chunk_ranges
-
     chunks = [list(c) for c in chunk_ranges(plan)]
     w.line("# pipeline: the model is traced and cut into chunks of blocks; chunk c runs on "
            "pipeline rank c % pp")

@@ -50,6 +50,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from autopar.data.synthetic import synthetic_batch
 from autopar.errors import PlanError
 
 MAGIC = b"APTOK\x00\x00\x01"
@@ -342,8 +343,6 @@ class SyntheticTokens:
 
     def rows(self, step: int, global_batch: int, seq: int, seed: int, start: int,
              count: int) -> torch.Tensor:
-        from autopar.data.synthetic import synthetic_batch
-
         _check_rows_args(step, global_batch, seq, start, count)
         return synthetic_batch(step, seed, global_batch, seq, self._vocab)[start:start + count]
 

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.models.hf import build_model, load_config
+from autopar.models.spec import load_factory
 
 
 def describe_source(model: object) -> dict:
@@ -17,7 +19,6 @@ def describe_source(model: object) -> dict:
     if isinstance(model, str):
         if ":" in model and not model.endswith(".onnx"):
             return {"kind": "factory", "spec": model}
-        from autopar.models.hf import load_config
 
         return {"kind": "hf_config", "config": load_config(model)}
     if isinstance(model, nn.Module):
@@ -65,8 +66,6 @@ def build_from_source(source: dict, seed: int, device: str | torch.device = "cpu
     torch.manual_seed(seed)
     kind = source.get("kind")
     if kind == "hf_config":
-        from autopar.models.hf import build_model
-
         return build_model(dict(source["config"]), device=device, dtype=torch.float32)
     if kind == "class":
         cfg_cls = _resolve(source["config_class"])
@@ -74,8 +73,6 @@ def build_from_source(source: dict, seed: int, device: str | torch.device = "cpu
         with torch.device(device):
             return cls(cfg_cls(**source["config"]))
     if kind == "factory":
-        from autopar.models.spec import load_factory
-
         if torch.device(device).type == "meta":
             # the factory's own allocations land on meta too, so no rank ever holds the model
             with torch.device("meta"):

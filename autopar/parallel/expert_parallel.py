@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar.errors import PlanError
 from autopar.parallel.comm import all_to_all, exchange_counts
+from autopar.parallel.policies import _has_accelerator, _layer_names, mixed_precision_policy
 from autopar.plan import Plan
 
 _EXPERTS_SIGNATURE = ["hidden_states", "top_k_index", "top_k_weights"]
@@ -206,8 +207,6 @@ def shard_expert_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
     if experts_use_ddp(plan):
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-    from autopar.parallel.policies import _has_accelerator, _layer_names, mixed_precision_policy
 
     dp, ep = plan.mesh["dp"], plan.mesh["ep"]
     dense = dense_mesh(mesh)

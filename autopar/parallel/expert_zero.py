@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.parallel.expert_parallel import dense_mesh
+
 
 def is_expert_parameter(p: torch.Tensor) -> bool:
     """Whether ``p`` is an expert-parallel expert's parameter: a DTensor on the ep mesh."""
@@ -105,8 +107,6 @@ def expert_zero_optimizer(param_groups: list[dict], mesh: DeviceMesh,
                           ) -> ExpertZeroOptimizer:
     """:class:`ExpertZeroOptimizer` over ``mesh``'s groups (the generated program's ZeRO-1
     under expert parallelism): dense states over dp x ep, experts' over dp."""
-    from autopar.parallel.expert_parallel import dense_mesh
-
     dp = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
     return ExpertZeroOptimizer(param_groups, optimizer_class, dense_mesh(mesh).get_group(), dp,
                                **defaults)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.parallel.pipeline import chunk_ranges
 from autopar.plan import Plan
 
 
@@ -52,8 +53,6 @@ def stage_cache(config, max_cache_len: int, first_layer: int):
 
 def stage_owners(plan: Plan) -> dict[str, int]:
     """Layer module path -> the pipeline rank that runs it (chunk c on rank c % pp)."""
-    from autopar.parallel.pipeline import chunk_ranges
-
     pp = plan.mesh["pp"]
     blocks = [b["name"] for b in plan.model["blocks"]]
     owners = {}

@@ -11,8 +11,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import PlanError
+from autopar.parallel.expert_parallel import experts_use_ddp, find_experts, sync_expert_grads
 from autopar.parallel.init import InitReport, materialize
+from autopar.parallel.policies import data_parallel_kind
 from autopar.parallel.split_backward import gather_for_split_backward
+from autopar.parallel.stage_experts import check_stage_experts
 from autopar.parallel.traced_stage import drop_metadata_asserts
 from autopar.plan import Plan
 
@@ -112,8 +115,6 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
     kwargs = {"use_cache": False} if hasattr(model, "config") else None
     experts = []
     if plan.mesh["ep"] > 1:
-        from autopar.parallel.expert_parallel import find_experts
-
         experts = find_experts(model)  # before the trace: the lay-out must split each one
     _untie(model)
     # traced on the whole, unsplit model: tensor parallelism is applied to the stage modules
@@ -132,8 +133,6 @@ def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: st
         for i in indices:
             lay_out(pipe.get_stage_module(i))
     if experts:
-        from autopar.parallel.stage_experts import check_stage_experts
-
         check_stage_experts([pipe.get_stage_module(i) for i in indices], experts)
     group = pp_mesh.get_group()
     # a meta stage module stays on meta here (build_stage moves only real tensors);
@@ -307,10 +306,7 @@ def replicated_stages(plan: Plan, dp_mesh: DeviceMesh | None) -> bool:
     their gradients are then all-reduced after the schedule's step
     (:func:`all_reduce_replica_grads`). DDP is not used: its hooks miss the weight gradients of
     the zero-bubble schedule, which computes them apart from the input gradients."""
-    from autopar.parallel.policies import data_parallel_kind
-
     if plan.mesh["ep"] > 1:  # dense replicas span dp x ep, even with dp = 1
-        from autopar.parallel.expert_parallel import experts_use_ddp
 
         return experts_use_ddp(plan)
     return data_parallel_kind(plan, dp_mesh) == "ddp"
@@ -323,8 +319,6 @@ def average_replica_grads(modules: list[nn.Module], plan: Plan, dp_group, replic
     and divided alike (:func:`autopar.parallel.expert_parallel.sync_expert_grads`)."""
     mesh = plan.mesh
     if mesh["ep"] > 1:
-        from autopar.parallel.expert_parallel import sync_expert_grads
-
         all_reduce_replica_grads(modules, replica_group, mesh["dp"] * mesh["ep"], skip=experts)
         sync_expert_grads(experts, plan, dp_group)
     else:

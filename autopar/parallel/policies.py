@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.cost.precision import FP32, Precision
 from autopar.cost.recompute_policy import OP_POLICY_ALTERNATING, op_policy_keeps
 from autopar.parallel.tensor_parallel import apply_tensor_parallel, layer_names
 from autopar.plan import Plan
@@ -131,8 +132,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def plan_precision(plan: Plan):
     """The plan's Precision (fp32 when the plan records none)."""
-    from autopar.cost.precision import FP32, Precision
-
     return Precision.from_dict(plan.precision) if plan.precision else FP32
 
 

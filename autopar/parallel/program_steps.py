@@ -8,8 +8,18 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.parallel.expert_parallel import (
+    ExpertParallelExperts,
+    apply_expert_parallel,
+    replicate_expert_data_parallel,
+    shard_expert_data_parallel,
+)
+from autopar.parallel.expert_zero import expert_zero_optimizer as _optimizer
+from autopar.parallel.mesh import single_process_mesh as _mesh
 from autopar.parallel.policies import recompute_block, use_host_cores
+from autopar.parallel.stage_experts import stage_expert_parallel as _stage
 from autopar.parallel.tp_styles import localize_heads as _localize_one
+from autopar.parallel.traced_stage import prepare_stage as _prepare
 from autopar.plan import Plan
 
 __all__ = ["expert_parallel", "expert_zero_optimizer", "localize_heads", "present", "recompute",
@@ -38,8 +48,6 @@ def prepare_stage(stage: nn.Module, original: nn.Module, leaves: list[str],
     original modules (PyTorch's styles take only real nn.Linear / nn.Embedding), its fused
     projections' outputs cut per part on the local shards, and DTensor taught the CPU
     attention kernel's head-parallel sharding."""
-    from autopar.parallel.traced_stage import prepare_stage as _prepare
-
     _prepare(stage, original, leaves, fused)
 
 
@@ -50,8 +58,6 @@ def recompute(model: nn.Module, layer: str, mode: str, seq: int) -> None:
 
 def expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     """Swap each expert module for its expert-parallel version over ``mesh["ep"]``."""
-    from autopar.parallel.expert_parallel import apply_expert_parallel
-
     return apply_expert_parallel(model, None, mesh["ep"])
 
 
@@ -59,26 +65,17 @@ def stage_expert_parallel(stage: nn.Module, original: nn.Module, mesh: DeviceMes
                           ) -> list[nn.Module]:
     """In a traced pipeline stage, put the original experts modules back in place of their
     traced copies and swap each for its expert-parallel version over ``mesh["ep"]``."""
-    from autopar.parallel.stage_experts import stage_expert_parallel as _stage
-
     return _stage(stage, original, mesh["ep"])
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan, experts: list) -> None:
     """fully_shard for an expert-parallel model: dense modules over dp x ep, experts over dp
     (nothing under ZeRO-0, which replicates after the weights exist)."""
-    from autopar.parallel.expert_parallel import shard_expert_data_parallel
-
     shard_expert_data_parallel(model, plan, mesh, experts)
 
 
 def replicate_experts(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     """DDP over dp x ep for an expert-parallel model's dense parameters under ZeRO-0."""
-    from autopar.parallel.expert_parallel import (
-        ExpertParallelExperts,
-        replicate_expert_data_parallel,
-    )
-
     experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     return replicate_expert_data_parallel(model, plan, mesh, experts)
 
@@ -87,13 +84,9 @@ def expert_zero_optimizer(param_groups: list[dict], mesh: DeviceMesh, optimizer_
                           **defaults):
     """ZeRO-1 under expert parallelism: ``optimizer_class`` with the dense parameters' states
     sharded over dp x ep and the experts' over dp (after the ZeRO-0 gradient sync)."""
-    from autopar.parallel.expert_zero import expert_zero_optimizer as _optimizer
-
     return _optimizer(param_groups, mesh, optimizer_class, **defaults)
 
 
 def single_process_mesh(device: str) -> DeviceMesh:
     """An all-ones mesh for a one-device plan that offloads (fully_shard needs a mesh)."""
-    from autopar.parallel.mesh import single_process_mesh as _mesh
-
     return _mesh({"pp": 1, "dp": 1, "ep": 1, "tp": 1}, device)

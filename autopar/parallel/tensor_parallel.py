@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.capture.layer_graph import fused_parts, runs_from_graph, shard_dims
 from autopar.errors import PlanError
+from autopar.parallel.graph_tp import GraphParallel
 from autopar.parallel.style_spec import REPLICATE, StyleSpec, shard
 from autopar.parallel.tp_styles import (
     ColumnParallel,
@@ -40,6 +41,8 @@ from autopar.parallel.tp_styles import (
     localize_heads,
     output_dim,
 )
+from autopar.parallel.traced_stage import prepare_stage, stream_position
+from autopar.peft import is_prefix_param
 from autopar.plan import Plan
 
 SEQ = 1  # the sequence dimension of the (batch, sequence, hidden) residual stream
@@ -93,8 +96,6 @@ class Relayout(ParallelStyle):
         self.replicate_rest = replicate_rest
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from autopar.parallel.traced_stage import stream_position
-
         params = list(inspect.signature(module.forward).parameters.values())
         first = params[0].name if params and params[0].kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) else None
@@ -265,8 +266,6 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
 
 def _head_split(model: nn.Module, plan: Plan) -> list[str]:
     """Modules whose parameters the plan splits by heads (Prefix Tuning's prefixes)."""
-    from autopar.peft import is_prefix_param
-
     present = dict(model.named_modules())
     return sorted({fqn.rpartition(".")[0] for fqn, placement in plan.placements["params"].items()
                    if is_prefix_param(fqn) and "@tp" in placement
@@ -276,8 +275,6 @@ def _head_split(model: nn.Module, plan: Plan) -> list[str]:
 def build_styles(styles: dict[str, StyleSpec]) -> dict[str, ParallelStyle]:
     """The ParallelStyle objects a layout's style records describe (built by calling the
     listed constructors: nothing is evaluated)."""
-    from autopar.parallel.graph_tp import GraphParallel
-
     names = {"GraphParallel": GraphParallel, "RowwiseParallel": RowwiseParallel,
              "SequenceParallel": SequenceParallel, "ColumnParallel": ColumnParallel,
              "RowParallel": RowParallel, "KvHeadReplicated": KvHeadReplicated,
@@ -291,8 +288,6 @@ def apply_layout(model: nn.Module, layout: TensorParallelLayout, tp_mesh: Device
     """Apply ``layout`` to ``model`` (a whole model, or a traced stage of ``original``): local
     head counts for split attention, the original leaf modules back in a traced stage, then
     ``parallelize_module`` with the styles of the modules ``model`` holds."""
-    from autopar.parallel.traced_stage import prepare_stage
-
     present = dict(model.named_modules())
     for path, heads in layout.heads.items():
         if path in present:
@@ -453,6 +448,9 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
     The embeddings and the tail (final norm, LM head) run as under plain traced tensor
     parallelism, on whole activations. Inside a layer everything stays a DTensor of global
     shape, so that the sizes the trace baked into its views hold."""
+    # here, not at the top: pipeline reaches this module (through expert_parallel's layer
+    # names), and chunk_ranges is a fact of the plan alone (Plan.chunk_ranges() in the typed
+    # plan), which ends this import
     from autopar.parallel.pipeline import chunk_ranges
 
     order = [n for n, _ in model.named_modules()]

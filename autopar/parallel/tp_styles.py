@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from autopar.errors import PlanError
 from autopar.models.hf import is_conv1d
+from autopar.parallel.comm import copy_to_group, rows_of_shared
 
 FUSED_ATTR = "_autopar_fused_rows"  # module attribute: {param name: (dim, index tensor)}
 
@@ -132,8 +133,6 @@ class KvHeadReplicated(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor import DTensor, Partial
-
-        from autopar.parallel.comm import copy_to_group, rows_of_shared
 
         if not isinstance(module, nn.Linear):
             raise PlanError(f"kv-head replication of {type(module).__name__} is not supported "

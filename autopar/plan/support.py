@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.engines import MEGATRON_ENGINES
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
+from autopar.errors import PlanError
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
@@ -55,8 +56,6 @@ def refuse_op_recompute(plan: Plan, target: str) -> None:
     written for ``target`` (Megatron-LM, MindFormers, DeepSpeed), whose settings have no
     op-level policy (Megatron-Core's --recompute-modules re-runs whole modules, not every
     second matmul): no mapping would run what was priced."""
-    from autopar.errors import PlanError
-
     if "op" in plan.recompute:
         raise PlanError(f"{target} has no op-level recompute (torchtitan's policy, recompute "
                         f"'op' in this plan): re-plan with constraints recompute=selective or "
@@ -153,8 +152,6 @@ def plan_unsupported(plan: Plan) -> str | None:
 def refuse_unsupported(plan: Plan) -> None:
     """Raise PlanError (one line, the way out included) when the runtime cannot honour
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
-    from autopar.errors import PlanError
-
     cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1))
     if cp_reason is not None:
         raise PlanError(f"the runtime does not run {cp_reason}")

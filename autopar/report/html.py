@@ -7,7 +7,10 @@ from html import escape
 from autopar._version import __version__
 from autopar.plan import Plan
 from autopar.report import fmt
+from autopar.report.plots import breakdown_png, memory_png, timeline_png
+from autopar.report.run_plots import curves_png, measured_step_png
 from autopar.report.sections import Section
+from autopar.report.timeline import plan_timeline
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #222;
@@ -101,9 +104,6 @@ def _cards(d: dict) -> str:
 def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
     """One HTML file with the sections and three figures: the step's timeline per stage, the
     memory per stage against the budget, and where the step time goes (with runner-ups)."""
-    from autopar.report.plots import breakdown_png, memory_png, timeline_png
-    from autopar.report.timeline import plan_timeline
-
     segments, simulated = plan_timeline(plan)
     timeline = figure_html(
         timeline_png(plan, segments, simulated), "pipeline timeline of one step",
@@ -121,8 +121,6 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
     run = data.get("run")
     measured = ""
     if run:
-        from autopar.report.run_plots import curves_png, measured_step_png
-
         measured = figure_html(measured_step_png(run), "measured step beside the predicted one",
                                "Each stage's step as the plan predicted it and as the profiled "
                                "run spent it, term by term.")

@@ -11,7 +11,10 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.plan.schedule import schedule_label
 from autopar.report import fmt
+from autopar.report.html import figure_html, page_html, section_html
+from autopar.report.plots import sweep_png
 from autopar.report.sections import Section
+from autopar.report.text import render_markdown, render_text
 
 FORMATS = ("text", "markdown", "html", "json")
 _LABELS = {"zero_stage": "ZeRO", "microbatch_size": "micro-batch",
@@ -164,20 +167,13 @@ def render_sweep(rows: list[SweepRow], fmt_: str = "text") -> str:
         return json.dumps(sweep_data(rows), indent=2) + "\n"
     title, secs = _title(rows), [table_section(rows), notes_section(rows)]
     if fmt_ == "text":
-        from autopar.report.text import render_text
-
         return render_text(title, secs, heading="autopar sweep")
     if fmt_ == "markdown":
-        from autopar.report.text import render_markdown
-
         return render_markdown(title, secs, heading="autopar sweep")
     return _html(rows, title, secs)
 
 
 def _html(rows: list[SweepRow], title: str, secs: list[Section]) -> str:
-    from autopar.report.html import figure_html, page_html, section_html
-    from autopar.report.plots import sweep_png
-
     figure = figure_html(
         sweep_png(rows, [[change_label(c) for c in r.changes] for r in rows]),
         "throughput, MFU and memory per device against the device budget",

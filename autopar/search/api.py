@@ -6,6 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
+from autopar.capture import capture
 from autopar.cost.config import ENGINES
 from autopar.cost.engines import engine_features
 from autopar.cost.hardware import Cluster, load_cluster
@@ -13,14 +14,17 @@ from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import vocab_parallel
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph
+from autopar.peft import parse_peft
 from autopar.plan.plan import Plan, round6
 from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.placements import placements
 from autopar.search.planner import Progress, SearchResult, search
+from autopar.search.serving import max_concurrency, serving_plan_search
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
+from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
 
 TASKS = ("train", "finetune", "infer")
 
@@ -108,8 +112,6 @@ def plan(
     else:  # Megatron, DeepSpeed and torchtitan split every block as Megatron does
         layouts, sharding = {}, []
     if task == "infer":
-        from autopar.search.serving import serving_plan_search
-
         result, global_batch = serving_plan_search(
             graph, facts, hw, devices, global_batch, pins, capacity, defaults, layouts,
             max_token_latency_ms, progress)
@@ -122,8 +124,6 @@ def plan(
                         layouts=layouts)
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
     if task == "infer":
-        from autopar.search.serving import max_concurrency
-
         plan.predicted.max_concurrency = max_concurrency(graph, hw, result.config, capacity)
     if task == "finetune":
         plan.peft = dict(graph.peft)
@@ -151,8 +151,6 @@ def plan(
 
 def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan
                              ) -> tuple[str, dict] | None:
-    from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
-
     if plan.mesh["tp"] == 1 or plan.peft:
         return None
     found = model_and_inputs(model, example_inputs)
@@ -193,8 +191,6 @@ def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, t
     seq = seq or (pins.get("model") or {}).get("seq_length")
     peft_config = None
     if peft is not None:
-        from autopar.peft import parse_peft
-
         if task != "finetune":
             raise PlanError(f"peft= trains part of the model: it needs task='finetune', not "
                             f"{task!r}")
@@ -208,7 +204,6 @@ def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, t
             raise PlanError(f"the graph was captured with a fine-tuning method: plan it with "
                             f"task='finetune', not {task!r}")
         return model
-    from autopar.capture import capture
 
     if isinstance(model, (str, Path)) and example_inputs is None:
         return capture(model, seq=seq, peft=peft_config)

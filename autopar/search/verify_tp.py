@@ -23,6 +23,7 @@ from autopar.capture.layer_graph import (
     shard_dims,
 )
 from autopar.errors import AutoparError
+from autopar.models.spec import is_factory, load_factory
 from autopar.plan import Plan
 
 _LAYERLESS = ("head", "tail", "root")
@@ -36,8 +37,6 @@ def model_and_inputs(model: object, example_inputs: object) -> tuple[nn.Module, 
             () if example_inputs is None else (example_inputs,))
         return model, inputs
     if isinstance(model, str):
-        from autopar.models.spec import is_factory, load_factory
-
         if is_factory(model):
             with torch.device("meta"):
                 return load_factory(model)

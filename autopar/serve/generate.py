@@ -18,9 +18,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autopar.artifact import load_artifact
 from autopar.errors import PlanError
+from autopar.models.source import build_from_source, describe_source
+from autopar.parallel.generate_stages import split_for_generation
+from autopar.parallel.init import materialize
+from autopar.parallel.mesh import build_mesh
+from autopar.parallel.tensor_parallel import apply_tensor_parallel
+from autopar.peft import apply_peft
 from autopar.plan import Plan
+from autopar.train.checkpoint import artifact_checkpoint, latest_checkpoint, read_tensors
 from autopar.train.loss import full, logits_of
+from autopar.train.parallelize import parallelize
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int
@@ -125,8 +134,6 @@ class Generator:
             if plan.mesh["pp"] > 1:
                 model = self._stages(model, plan)
             else:
-                from autopar.train.parallelize import parallelize
-
                 model = parallelize(model, plan, str(self.device.type))
         self.model = model.eval()
         self.config = model.config
@@ -134,10 +141,6 @@ class Generator:
     def _stages(self, model: nn.Module, plan: Plan) -> nn.Module:
         """This rank's generation stage (:mod:`autopar.parallel.generate_stages`), its layers
         split over tp as the plan says; each rank keeps whole copies of what it runs."""
-        from autopar.parallel.generate_stages import split_for_generation
-        from autopar.parallel.mesh import build_mesh
-        from autopar.parallel.tensor_parallel import apply_tensor_parallel
-
         if plan.mesh["ep"] > 1:
             raise PlanError("generation under pipeline stages with expert parallelism is not "
                             "in autopar yet; re-plan with constraints ep=1 or pp=1")
@@ -215,7 +218,6 @@ def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                     local_files_only=True).to(device)
-    from autopar.models.source import describe_source
 
     # the weights autopar run starts from (seed 0): the same on every rank and every call
     return initial_model(describe_source(str(model)), None, device)
@@ -225,16 +227,10 @@ def _from_artifact(directory: Path, device: torch.device) -> nn.Module:
     """An artifact's model with the weights of its latest checkpoint (whole, one process)."""
     import torch.distributed.checkpoint as dcp
 
-    from autopar.artifact import load_artifact
-    from autopar.models.source import build_from_source
-    from autopar.train.checkpoint import artifact_checkpoint, read_tensors
-
     manifest, plan = load_artifact(directory)
     ckpt = artifact_checkpoint(directory)
     model = build_from_source(manifest["model"], 0, device)
     if plan.peft:
-        from autopar.peft import apply_peft
-
         apply_peft(model, plan.peft)
     stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     names = [n for n, _ in model.named_parameters()]
@@ -250,13 +246,8 @@ def initial_model(source: dict, plan: Plan | None = None,
     """The whole model with the weights ``autopar run`` starts training from (seed 0, each
     module from its own seed, :func:`autopar.parallel.init.materialize`), with the plan's
     fine-tuning method when it has one."""
-    from autopar.models.source import build_from_source
-    from autopar.parallel.init import materialize
-
     model = build_from_source(source, 0, "meta")
     if plan is not None and plan.peft:
-        from autopar.peft import apply_peft
-
         apply_peft(model, plan.peft)
     materialize(model, 0, device=device)
     return model
@@ -265,9 +256,6 @@ def initial_model(source: dict, plan: Plan | None = None,
 def serving_model(directory: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """The whole model artifact ``directory`` serves: the weights of its latest checkpoint,
     or, before any training, the seed-0 weights ``autopar run`` starts from."""
-    from autopar.artifact import load_artifact
-    from autopar.train.checkpoint import latest_checkpoint
-
     device = torch.device(device)
     if latest_checkpoint(Path(directory) / "checkpoints") is not None:
         return _from_artifact(Path(directory), device)

@@ -20,10 +20,14 @@ from pathlib import Path
 
 import torch
 
+from autopar.artifact import load_artifact
 from autopar.errors import PlanError
 from autopar.files import fsync_dir, fsync_file
 from autopar.models.hf import is_conv1d
+from autopar.models.source import build_from_source
+from autopar.peft import apply_peft, parse_peft
 from autopar.peft.lora import merged
+from autopar.peft.saved import adapter_files, save_adapter
 from autopar.train.checkpoint import artifact_checkpoint, read_tensors
 from autopar.weights.base_files import copy_tokenizer_files, recorded_init_from
 from autopar.weights.hf_layout import Piece, model_tensors, save_pieces
@@ -59,9 +63,6 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     are copied into ``out`` (:mod:`autopar.weights.base_files`)."""
     import torch.distributed.checkpoint as dcp
 
-    from autopar.artifact import load_artifact
-    from autopar.models.source import build_from_source
-
     if dtype not in DTYPES:
         raise PlanError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     out = Path(out)
@@ -76,8 +77,6 @@ def export_hf(directory: str | Path, out: str | Path, *, dtype: str = "fp32",
     model = build_from_source(source, 0, "meta")  # the base model: what is written
     peft = None
     if plan.peft:
-        from autopar.peft import apply_peft, parse_peft
-
         peft = parse_peft(plan.peft)
         if merge and peft.method != "lora":
             raise PlanError(f"--merge folds LoRA into the base weights; a {peft.method} run "
@@ -166,8 +165,6 @@ def _export_adapter(adapted, peft, ckpt: Path, stored: dict, out: Path, dtype: s
                     base: str | None) -> ExportReport:
     """The run's adapter folder (:mod:`autopar.peft.saved`): only the trained weights, its
     config naming ``base`` (the --init-from folder) as the model it adapts."""
-    from autopar.peft.saved import adapter_files, save_adapter
-
     names = [n for n, p in adapted.named_parameters() if p.requires_grad]
     state = read_tensors(ckpt, stored, names)
     trained = {n: state[f"model.{n}"].to(DTYPES[dtype]) for n in names}

@@ -34,7 +34,10 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from autopar.artifact import load_artifact
 from autopar.errors import PlanError
+from autopar.serve.generate import load_model
+from autopar.serve.hf_export import _atomic_folder
 
 MANIFEST = "generation.json"
 FORMAT = "autopar-onnx-decode/1"
@@ -155,8 +158,6 @@ class OnnxExportReport:
 def _refuse_plan(directory: Path) -> None:
     """An artifact whose ranks each hold part of every token's work has no one-rank program
     that generates alone."""
-    from autopar.artifact import load_artifact
-
     _, plan = load_artifact(directory)
     mesh = plan.mesh
     whole = (f"export the whole model instead: autopar export {directory} --to hf HF_OUT, then "
@@ -220,9 +221,6 @@ def export_onnx(model: nn.Module | str | Path, out: str | Path, *, batch: int = 
     exchange activations inside every token). ``optimize`` runs the exporter's graph
     optimizer (constant folding, fusions; seconds per program). The folder appears whole or
     not at all."""
-    from autopar.serve.generate import load_model
-    from autopar.serve.hf_export import _atomic_folder
-
     out = Path(out)
     if batch < 1 or prompt_len < 1 or max_len <= prompt_len:
         raise PlanError(f"need batch >= 1, prompt_len >= 1 and max_len > prompt_len (room for "

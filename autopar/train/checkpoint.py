@@ -34,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from autopar.errors import PlanError
 from autopar.files import fsync_dir, fsync_file
+from autopar.parallel.expert_zero import ExpertZeroOptimizer
+from autopar.parallel.init import canonical_fqn
+from autopar.parallel.tp_styles import FUSED_ATTR
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -58,8 +61,6 @@ def _rank() -> int:
 def _zero1(trainer: Trainer) -> ZeroRedundancyOptimizer | ExpertZeroOptimizer | None:
     """The trainer's ZeRO-1 optimizer (its ``optim`` holds this rank's partition), or None."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F811
-
-    from autopar.parallel.expert_zero import ExpertZeroOptimizer  # noqa: F811
 
     opt = trainer.optimizer
     return opt if isinstance(opt, (ZeroRedundancyOptimizer, ExpertZeroOptimizer)) else None
@@ -150,9 +151,6 @@ def _fused_rows(trainer: Trainer) -> dict[str, tuple[int, torch.Tensor]]:
     """Checkpoint FQN -> (dim, row order) of each parameter a fused projection holds in
     per-part order (tp_styles): the checkpoint stores the model's own order instead, so that
     any plan can load it."""
-    from autopar.parallel.init import canonical_fqn
-    from autopar.parallel.tp_styles import FUSED_ATTR
-
     out = {}
     for name, module in trainer.model.named_modules():
         rows = getattr(module, FUSED_ATTR, None)

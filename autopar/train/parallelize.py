@@ -17,9 +17,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.codegen.program import model_program
 from autopar.errors import PlanError
-from autopar.parallel.expert_parallel import check_expert_parallel
+from autopar.parallel.expert_parallel import (
+    ExpertParallelExperts,
+    check_expert_parallel,
+    replica_group,
+    sync_expert_grads,
+)
+from autopar.parallel.expert_zero import ExpertZeroOptimizer
 from autopar.parallel.model_heads import heads_mismatch, output_features
+from autopar.parallel.pipeline import (
+    average_replica_grads,
+    build_pipeline,
+    replicated_stages,
+    sync_tied_grads,
+    tied_copies,
+)
+from autopar.peft import applied_method, apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
@@ -105,13 +120,11 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
         raise PlanError("the plan has pipeline stages: pass example= (one micro-batch of "
                         "inputs) and loss_fn=(output, target) to autopar.parallelize")
     if plan.peft:  # a fine-tuning plan: the method it was planned with, applied once
-        from autopar.peft import applied_method, apply_peft
 
         if applied_method(model) is None:
             apply_peft(model, plan.peft)
     check_module_paths(model, plan)
     check_tp_entries(model, plan)
-    from autopar.codegen.program import model_program
 
     text, program = model_program(plan, model, whole_logits=True)
     mesh = program.build_mesh(device)
@@ -142,8 +155,6 @@ def _with_expert_sync(model: nn.Module, plan: Plan, mesh) -> nn.Module:
     backwards are done (the Trainer's :func:`sync_expert_grads`), here by the optimizer
     before its step. Loop glue, not data parallelism of its own."""
     from functools import partial
-
-    from autopar.parallel.expert_parallel import ExpertParallelExperts, sync_expert_grads
 
     if plan.mesh["ep"] == 1 or not isinstance(model, nn.parallel.DistributedDataParallel):
         return model
@@ -176,8 +187,6 @@ class Pipeline:
         """Forward and backward of one global batch share (every rank passes the same
         ``inputs`` and ``target`` of its data-parallel rows; the schedule cuts them into
         micro-batches); returns the mean loss on every rank. Step the optimizer after it."""
-        from autopar.parallel.pipeline import average_replica_grads, sync_tied_grads
-
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs, target=target, losses=losses)
         if self.replicated:
@@ -197,8 +206,6 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
     """Trace ``model`` (built, with weights), split it at the program's chunks, and lay each
     of this rank's stages out with the program's ``parallelize_stage``, as the Trainer
     does (there on meta)."""
-    from autopar.parallel.pipeline import build_pipeline, replicated_stages, tied_copies
-
     tied = tied_copies(model)
     spec = program.PIPELINE
 
@@ -211,7 +218,6 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
         microbatches=spec["microbatches"])
     dp_mesh = mesh["dp"]
     dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
-    from autopar.parallel.expert_parallel import ExpertParallelExperts, replica_group
 
     experts = [m for s in modules for m in s.modules() if isinstance(m, ExpertParallelExperts)]
     return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
@@ -229,8 +235,6 @@ def optimizer(model: nn.Module | Pipeline, plan: Plan,
     (:class:`~autopar.parallel.expert_zero.ExpertZeroOptimizer`). For a ZeRO-0/1
     expert-parallel model it reduces the expert gradients before each step (after your
     backwards, gradient accumulation included): clip gradients after that, not before."""
-    from autopar.parallel.expert_zero import ExpertZeroOptimizer
-
     params = [p for p in model.parameters() if p.requires_grad]
     sync_experts = getattr(model, EXPERT_SYNC_ATTR, None)
     if sync_experts is not None:

@@ -16,20 +16,31 @@ from torch import nn
 from torch.profiler import record_function
 
 from autopar.calibrate.trace_summary import BACKWARD, FORWARD, OPTIMIZER, STEP, mark_forward
+from autopar.data.dataset import open_source
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
     check_expert_parallel,
+    data_rank,
     replica_group,
     sync_expert_grads,
 )
 from autopar.parallel.init import InitReport, materialize
+from autopar.parallel.pipeline import (
+    average_replica_grads,
+    build_pipeline,
+    materialize_stages,
+    replicated_stages,
+    sync_tied_grads,
+    tied_copies,
+)
 from autopar.parallel.tensor_parallel import reduce_partial_grads
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
 from autopar.plan.launch import plan_launch
 from autopar.plan.support import refuse_unsupported
+from autopar.train.checkpoint import load_checkpoint, save_checkpoint
 from autopar.train.loss import IGNORE_INDEX, classification_loss, full, lm_loss, logits_of
 from autopar.train.loss_scale import LossScaler
 from autopar.train.optim import Hyperparameters, decay_groups, lr_at, set_lr
@@ -129,7 +140,6 @@ class Trainer:
         else:
             self.vocab = _vocab(model, plan)
             self.seq = next(iter(plan.model["inputs"].values()))[1]
-            from autopar.data.dataset import open_source
 
             # bad data fails before any parallel setup
             self.data = open_source(data, self.vocab)
@@ -159,8 +169,6 @@ class Trainer:
             if mesh is not None else {}
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         if plan.mesh["ep"] > 1:
-            from autopar.parallel.expert_parallel import data_rank
-
             self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
             model = self._pipeline(model, reference, plan, mesh, device, dp_mesh, program)
@@ -190,13 +198,6 @@ class Trainer:
         """Split the meta model at the program's chunks into this rank's stage modules, lay
         each out with the program's ``parallelize_stage``, materialize them; returns them as
         one ModuleList."""
-        from autopar.parallel.pipeline import (
-            build_pipeline,
-            materialize_stages,
-            replicated_stages,
-            tied_copies,
-        )
-
         self.tied = tied_copies(model)
         # a classifier's example meets its first layer's weights, on meta: it is on meta too
         example = torch.zeros(plan.microbatch_size, *self.task.sample_shape, device="meta") \
@@ -237,13 +238,10 @@ class Trainer:
         return lm_loss(output, targets, self.rdrop_alpha)
 
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from autopar.parallel.pipeline import sync_tied_grads
-
         losses: list[torch.Tensor] = []
         with self._compute():
             self.pipe.step(inputs, target=targets, losses=losses)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp (x ep)
-            from autopar.parallel.pipeline import average_replica_grads
 
             average_replica_grads(list(self.model), self.plan, self.dp_group,
                                   self.replica_group, self.experts)
@@ -418,8 +416,6 @@ class Trainer:
         steps and at the end when given; ``profiler`` (an
         :class:`autopar.calibrate.profiling.StepProfiler`) records its window of steps. Each
         step's record goes to the run log."""
-        from autopar.train.checkpoint import save_checkpoint
-
         # the schedule's horizon: the settings', else the one a resumed run was given, else
         # this run's last step
         self.hyper = self.hyper.with_horizon(self.horizon or self.step_index + steps)
@@ -454,8 +450,6 @@ class Trainer:
 
     def resume(self, checkpoint_dir: str | Path) -> int:
         """Continue from the latest complete checkpoint (saved under any plan)."""
-        from autopar.train.checkpoint import load_checkpoint
-
         return load_checkpoint(self, checkpoint_dir)
 
 
