@@ -7,10 +7,10 @@ says so in ``notes``.
 
 from __future__ import annotations
 
+from autopar.cost.hardware import MEMORY_RISK_FRACTION
 from autopar.plan import Plan
 from autopar.report import fmt
 from autopar.report.fmt import MEMORY_KINDS, TIME_LABELS, TIME_TERMS
-from autopar.search.robust import MEMORY_RISK_FRACTION
 
 _ZERO = {0: "none (every data-parallel rank holds all states)",
          1: "stage 1 (optimizer states sharded over dp)",
