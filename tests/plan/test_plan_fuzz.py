@@ -75,7 +75,8 @@ STEPS = 2
 
 def runtime_fields(plan: Plan) -> dict:
     """What the runtime and codegen read of ``plan``: the plan file without :data:`NOT_RUNTIME`
-    (found by reading autopar/runtime, autopar/codegen and autopar/cli/run_cmd.py)."""
+    (found by reading autopar/runtime, autopar/codegen and autopar/cli/run_cmd.py, since split into
+    autopar/parallel, autopar/train, autopar/serve and autopar/train/launch.py)."""
     data = plan.to_dict()
     for key in NOT_RUNTIME:
         data.pop(key, None)
