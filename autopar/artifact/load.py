@@ -17,9 +17,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 
 MANIFEST_VERSION = 2
-
-
-PROGRAM_FILE = "train.py"
+PROGRAM_FILE = "train.py"  # the training program's name in an artifact
 
 
 def digest(text: str | bytes) -> str:
