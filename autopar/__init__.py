@@ -6,17 +6,16 @@ Public surface (see docs/architecture.md): ``capture``, ``plan``, ``sweep``, ``c
 
 import autopar.report  # noqa: F401 - registers Plan.report's renderer (plan/ cannot import it)
 from autopar import ir
+from autopar._version import __version__
 from autopar.capture import capture
 from autopar.codegen import compile_artifact as compile  # noqa: A001 - the public name
 from autopar.cost.hardware import Cluster
 from autopar.errors import AutoparError, CaptureError, InfeasibleError, PlanError
 from autopar.plan import Plan
-from autopar.runtime.apply import parallelize
-from autopar.runtime.generate import Generator
 from autopar.search.api import plan
 from autopar.search.sweep import sweep
-
-__version__ = "0.1.0"
+from autopar.serve.generate import Generator
+from autopar.train.parallelize import parallelize
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "Generator", "InfeasibleError", "Plan",
            "PlanError",

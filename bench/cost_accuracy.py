@@ -123,7 +123,7 @@ def worker(rank: int, case: Case, port: int, steps: int, out: mp.Queue) -> None:
 
 
 def measure(case: Case, steps: int) -> float:
-    from autopar.cost.profile_comm import free_port
+    from autopar.calibrate.profile_comm import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -172,7 +172,7 @@ def print_summary(rows: list[tuple[float, float, float]], profile: str) -> None:
 
 def quick_profile(nprocs: int) -> str:
     """Measure this machine with a quick ``nprocs``-process profile; returns the YAML path."""
-    from autopar.cost.profile import profile_machine, write_profile
+    from autopar.calibrate.profile import profile_machine, write_profile
 
     print(f"profiling this machine ({nprocs} processes, quick)...", file=sys.stderr)
     path = os.path.join(tempfile.mkdtemp(), "profile.yaml")

@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, out, source: dict, plan_dict: dict, program: str
 
     from autopar.codegen import load_program
     from autopar.plan import Plan
-    from autopar.runtime import Trainer
+    from autopar.train import Trainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -95,9 +95,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import autopar
+    from autopar.calibrate.profile_comm import free_port
     from autopar.codegen import program_text
-    from autopar.cost.profile_comm import free_port
-    from autopar.runtime.source import describe_source
+    from autopar.models.source import describe_source
 
     folder = Path(args.folder or tempfile.mkdtemp(prefix="autopar-1b-"))
     folder.mkdir(parents=True, exist_ok=True)

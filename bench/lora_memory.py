@@ -55,9 +55,9 @@ def _worker(rank: int, port: int, runs: list[tuple[str, dict]], steps: int, out)
     import torch.distributed as dist
 
     from autopar.codegen import generated_program
+    from autopar.models.source import describe_source
     from autopar.plan import Plan
-    from autopar.runtime import Trainer
-    from autopar.runtime.source import describe_source
+    from autopar.train import Trainer
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -81,9 +81,9 @@ def _worker(rank: int, port: int, plan_dict: dict, steps: int, out) -> None:
 
     from autopar.codegen import generated_program
     from autopar.models import GPT, GPTConfig
+    from autopar.models.source import describe_source
     from autopar.plan import Plan
-    from autopar.runtime import Trainer
-    from autopar.runtime.source import describe_source
+    from autopar.train import Trainer
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

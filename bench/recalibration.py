@@ -80,9 +80,9 @@ def train(directory: Path, steps: int) -> float:
 
 def predict(directory: Path, cluster: str) -> float:
     """The artifact's plan priced under ``cluster`` (its recorded choice, not a new search)."""
+    from autopar.calibrate.recalibrate import plan_graph
     from autopar.codegen import load_artifact
     from autopar.cost.estimate import estimate
-    from autopar.runtime.recalibrate import plan_graph
     from autopar.search.replay import plan_config
 
     manifest, plan = load_artifact(directory)

@@ -3,7 +3,7 @@
 Each case is an ``autopar.plan`` for a small GPT on 4 gloo processes (pins choose the
 strategy; tensor-parallel cases take the layout the planner chooses for the same GPT at full
 width, since at this size it rightly splits little). The plan is trained through its generated
-program by ``autopar.runtime.Trainer`` for a few steps, one thread per process, and the median
+program by ``autopar.train.Trainer`` for a few steps, one thread per process, and the median
 step time is compared with ``autopar.cost.estimate`` for the same choice in fp32 (the
 runtime trains in fp32 on CPU), calibrated by an ``autopar profile`` of this machine.
 
@@ -88,7 +88,7 @@ def _worker(rank: int, port: int, source: dict, plan_dict: dict, steps: int, out
     import torch.distributed as dist
 
     from autopar.plan import Plan
-    from autopar.runtime import Trainer
+    from autopar.train import Trainer
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # pipelining's pytree notices
     torch.set_num_threads(1)
@@ -128,7 +128,7 @@ def main() -> None:
     import autopar
     from autopar.cost.hardware import load_cluster
     from autopar.models import GPT, GPTConfig, token_inputs
-    from autopar.runtime.source import describe_source
+    from autopar.models.source import describe_source
 
     path = args.profile or quick_profile(nprocs=WORLD)
     cluster = load_cluster(path)

@@ -48,8 +48,8 @@ def _by_hand(pins: dict, rank: int):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.data.synthetic import synthetic_batch
     from autopar.models import GPT, GPTConfig
-    from autopar.runtime.data import synthetic_batch
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
@@ -87,7 +87,7 @@ def _by_hand(pins: dict, rank: int):
         if pins.get("tp", 1) == 1:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         else:  # torch's clip refuses mixed DTensor / tensor gradients: the user writes this
-            from autopar.runtime.trainer import clip_grad_norm
+            from autopar.train.trainer import clip_grad_norm
 
             clip_grad_norm(params, 1.0)
         opt.step()
@@ -105,9 +105,9 @@ def worker(rank: int, port: int, name: str, mode: str, steps: int, plan_dict: di
     if mode == "autopar":
         from autopar.codegen import generated_program
         from autopar.models import GPT, GPTConfig
+        from autopar.models.source import describe_source
         from autopar.plan import Plan
-        from autopar.runtime import Trainer
-        from autopar.runtime.source import describe_source
+        from autopar.train import Trainer
 
         source, plan = describe_source(GPT(GPTConfig(**MODEL))), Plan.from_dict(plan_dict)
         trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu",
@@ -128,7 +128,7 @@ def worker(rank: int, port: int, name: str, mode: str, steps: int, plan_dict: di
 
 
 def measure(name: str, mode: str, steps: int, plan_dict: dict) -> float:
-    from autopar.cost.profile_comm import free_port
+    from autopar.calibrate.profile_comm import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

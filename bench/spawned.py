@@ -14,7 +14,7 @@ def rank0_result(target, world: int, args: tuple, timeout_s: float = 900.0) -> o
     """Run ``target(rank, port, *args, out)`` on ``world`` spawned processes and return the
     payload rank 0 puts on ``out`` as ("ok", payload); ("error", text) from any rank, or no
     result in ``timeout_s``, raises RuntimeError. The processes are always reaped."""
-    from autopar.cost.profile_comm import free_port
+    from autopar.calibrate.profile_comm import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autopar
-from autopar.runtime.apply import optimizer
+from autopar.train.parallelize import optimizer
 
 IMAGE, PATCH, CHANNELS, CLASSES, WIDTH, HEADS, DEPTH = 16, 4, 3, 10, 64, 4, 3
 GLOBAL_BATCH, STEPS = 8, 5

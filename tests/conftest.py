@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from autopar.models import GPT, GPTConfig
+from tests.fixtures.gpt_fixture import gpt  # noqa: F401 - the fixture, shared by every test package
 
 TINY_HF = ["tiny-llama", "tiny-mistral", "tiny-mixtral", "tiny-qwen2", "tiny-gpt2"]
 TRAINED_STEPS = 4  # of the trained_pp2 artifact
@@ -31,8 +32,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # worker (pyproject's ``--dist loadgroup``, one group per file), so module fixtures run once
 SPREAD_FILES = frozenset({
     "tests/models/test_shipped_configs.py",
-    "tests/runtime/test_twins.py",
-    "tests/runtime/test_random_plans.py",
+    "tests/parallel/test_twins.py",
+    "tests/parallel/test_random_plans.py",
     "tests/test_examples.py",
     "tests/peft/test_runtime.py",
     "tests/cli/test_run.py",

@@ -48,7 +48,7 @@ def test_compile_writes_the_pipeline_program(tmp_path) -> None:
     out = autopar.compile("tiny-llama", None, plan, tmp_path / "art")
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "plan.yaml", "train.py"]
     text = (out / "train.py").read_text()
-    from autopar.runtime.pipeline import chunk_ranges
+    from autopar.parallel.pipeline import chunk_ranges
 
     chunks = [list(c) for c in chunk_ranges(plan)]
     assert f'"chunks": {chunks}' in text and f'"schedule": "{plan.schedule}"' in text

@@ -7,9 +7,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autopar.capture.torch_capture import capture_module
 from autopar.errors import CaptureError
 from autopar.ir.blocks import assign_blocks
 from autopar.ir.graph import Graph
+from autopar.models.hf import build_model, load_config, max_positions, token_inputs
+from autopar.peft import apply_peft, parse_peft
 
 
 def _as_tuple(example_inputs: object) -> tuple:
@@ -53,8 +56,6 @@ def capture(
                                    "ONNX file; pass the model or its Hugging Face config")
             graph = onnx_graph(Path(text))
         else:
-            from autopar.models.hf import build_model, load_config, max_positions, token_inputs
-
             cfg = load_config(text)
             module = build_model(cfg, device="meta")
             _adapt(module, peft)
@@ -78,22 +79,16 @@ def capture(
         )
     assign_blocks(graph)
     if peft is not None:
-        from autopar.peft import parse_peft
-
         graph.peft = parse_peft(peft).to_dict()
     return graph
 
 
 def _adapt(module: nn.Module, peft: object) -> None:
     if peft is not None:
-        from autopar.peft import apply_peft
-
         apply_peft(module, peft)
 
 
 def _capture_module(module: nn.Module, args: tuple, kwargs: dict | None, cfg: dict | None) -> Graph:
-    from autopar.capture.torch_capture import capture_module
-
     with torch.no_grad():
         return capture_module(module, args, kwargs, cfg)
 

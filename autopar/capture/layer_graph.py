@@ -3,7 +3,7 @@ which split parameter each linear reads, and the check that a planned split runs
 rewritten for one rank's shards and executed on meta, before a plan is written).
 
 Shared by the search (it proposes no tensor-parallel layout that fails this check) and the
-runtime (:mod:`autopar.runtime.graph_tp` runs the same rewritten graph on real shards).
+runtime (:mod:`autopar.parallel.graph_tp` runs the same rewritten graph on real shards).
 """
 
 from __future__ import annotations
@@ -28,24 +28,6 @@ def runs_from_graph(layer: nn.Module) -> bool:
     """Whether tensor parallelism runs ``layer`` from its own graph (any class that is
     neither a Hugging Face model's nor autopar's)."""
     return not type(layer).__module__.startswith(MODULE_STYLED)
-
-
-def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
-    """The tensor-parallel shard dimension of each parameter of ``layer`` (relative names)
-    from a plan's parameter placements (``Shard(d)@tp...``)."""
-    from autopar.plan.placement import Placement  # here: the plan package imports capture
-
-    out = {}
-    for fqn, text in placements.items():
-        if not fqn.startswith(layer + "."):
-            continue
-        placement = Placement.parse(text)
-        if placement.kv_heads:
-            raise PlanError(f"the plan places {fqn} as {text}, which a layer run from "
-                            f"its graph cannot hold (only Shard(d)@tp); re-plan with tp=1")
-        if placement.tp_dim is not None:
-            out[fqn[len(layer) + 1:]] = placement.tp_dim
-    return dict(sorted(out.items()))
 
 
 def fused_parts(fused: dict[str, list[int]], params: dict[str, int], layer: str

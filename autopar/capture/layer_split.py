@@ -1,5 +1,5 @@
 """How a split tensor moves through a layer's exported graph, and the graph rewritten to run on
-one rank's shards (the pass behind :mod:`autopar.runtime.graph_tp`, and the search's check
+one rank's shards (the pass behind :mod:`autopar.parallel.graph_tp`, and the search's check
 that a layout runs, :mod:`autopar.capture.layer_graph`).
 
 A tensor of the graph is either whole on every rank (``None``) or a :class:`Split`: along one

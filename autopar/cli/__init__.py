@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import click
 
-from autopar.cli.common import fail_message, joined_process_group
+from autopar.cli.common import fail_message
 from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.data_cmd import data_group
 from autopar.cli.diff_cmd import diff_cmd
@@ -23,6 +23,7 @@ from autopar.cli.report_cmd import report_cmd
 from autopar.cli.run_cmd import run_cmd
 from autopar.cli.sweep_cmd import sweep_cmd
 from autopar.errors import AutoparError
+from autopar.train.launch import joined_process_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

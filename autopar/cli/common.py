@@ -8,25 +8,11 @@ from collections.abc import Iterator
 
 import click
 
-_joined_group = False  # this process joined a torchrun job's process group
-
-
-def init_process_group(backend: str, timeout_s: int = 600) -> None:
-    """Join the job's process group (torchrun's environment; a collective fails after
-    ``timeout_s`` seconds without its peers) and remember that this process did: it then ends
-    through :func:`autopar.cli.end_process` without interpreter finalization."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    global _joined_group
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    _joined_group = True
-
-
-def joined_process_group() -> bool:
-    """Whether this process joined a process group (:func:`init_process_group`)."""
-    return _joined_group
+from autopar.capture import capture
+from autopar.errors import PlanError
+from autopar.models.spec import is_factory, load_factory
+from autopar.plan import Plan
+from autopar.plan.plan import write_text_atomic
 
 
 def fail_message(message: str, ctx: click.Context | None) -> str:
@@ -52,9 +38,6 @@ def capture_model(spec: str, batch: int, seq: int | None, quiet: bool = False,
                   peft: object = None):
     """Capture MODEL given on the command line (shipped name, config path, module:factory,
     .onnx), transformed by a fine-tuning method when ``peft`` names one."""
-    from autopar.capture import capture
-    from autopar.models.spec import is_factory, load_factory
-
     with progress(f"capturing {spec}", quiet):
         if is_factory(spec):
             model, inputs = load_factory(spec)
@@ -66,13 +49,9 @@ def load_plan(path: str):
     """A plan file, or an artifact directory holding ``plan.yaml``."""
     from pathlib import Path
 
-    from autopar.plan import Plan
-
     p = Path(path)
     if p.is_dir():
         if not (p / "plan.yaml").is_file():
-            from autopar.errors import PlanError
-
             raise PlanError(f"{p} is a directory without plan.yaml; pass a plan file or an "
                             f"artifact directory from `autopar compile`")
         p = p / "plan.yaml"
@@ -100,8 +79,6 @@ def check_output_path(out: str) -> None:
     """Fail before any work when ``--out`` cannot be written."""
     from pathlib import Path
 
-    from autopar.errors import PlanError
-
     p = Path(out)
     if p.is_dir():
         raise PlanError(f"--out {p} is a directory; give a file name such as {p / 'report.html'}")
@@ -117,7 +94,6 @@ def write_output(text: str, out: str | None, quiet: bool) -> None:
     if out is None:
         click.echo(text, nl=False)
         return
-    from autopar.plan.plan import write_text_atomic
 
     check_output_path(out)
     path = write_text_atomic(out, text)

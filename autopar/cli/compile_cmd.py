@@ -8,6 +8,10 @@ from pathlib import Path
 import click
 
 from autopar.cli.plan_options import capture_for_plan, plan_options, search_progress
+from autopar.codegen import compile_artifact
+from autopar.codegen.artifact import edited_file
+from autopar.plan.launch import on_each_node, plan_launch
+from autopar.search.api import plan as make_plan
 
 
 def _default_out(model: str, devices: int) -> Path:
@@ -62,8 +66,6 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
       autopar compile llama3-8b --devices 8 --task finetune \\
           --peft method=lora,r=16,lora_alpha=32,target_modules=all-linear
     """
-    from autopar.search.api import plan as make_plan
-
     graph, constraints = capture_for_plan(model, cluster=cluster, task=task, seq=seq,
                                           constraints=constraints, peft=peft,
                                           max_token_latency_ms=max_token_latency_ms,
@@ -78,10 +80,7 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = result.save(out_dir / "plan.yaml")
     else:
-        from autopar.codegen import compile_artifact
-
         path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
-        from autopar.codegen.artifact import edited_file
 
         for name in ("train.py", "generate.py"):
             edited = out_dir / edited_file(name)  # only ever there when this compile kept one
@@ -93,8 +92,6 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         click.echo(result.report(), nl=False)
         click.echo(f"\nwrote {path}")
         if not quiet:
-            from autopar.plan.launch import on_each_node, plan_launch
-
             launch = plan_launch(result.devices, result.cluster)
             first = (f"{launch} {out_dir}/generate.py --prompts FILE",
                      "serve it (the generated program)") if result.task == "infer" else \

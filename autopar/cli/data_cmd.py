@@ -8,6 +8,9 @@ from pathlib import Path
 import click
 
 from autopar.cli.common import progress
+from autopar.data.instruction import prepare_instruction
+from autopar.data.prepare import prepare
+from autopar.errors import PlanError
 
 
 @click.group("data", short_help="Prepare token datasets for `autopar run --data`.")
@@ -66,7 +69,6 @@ def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, voc
     if kind == "instruction":
         _prepare_instruction(list(inputs), out, tokenizer, seq, as_json, quiet)
         return
-    from autopar.data.prepare import prepare
 
     with progress(f"tokenizing {len(inputs)} file(s) into {out}", quiet):
         stats = prepare(list(inputs), out, tokenizer=str(tokenizer) if tokenizer else None,
@@ -84,9 +86,6 @@ def prepare_cmd(inputs: tuple[Path, ...], out: Path, tokenizer: Path | None, voc
 
 def _prepare_instruction(inputs: list[Path], out: Path, tokenizer: Path | None,
                          seq: int | None, as_json: bool, quiet: bool) -> None:
-    from autopar.data.instruction import prepare_instruction
-    from autopar.errors import PlanError
-
     if tokenizer is None or seq is None:
         raise PlanError("--format instruction needs --tokenizer (the model's Hugging Face "
                         "folder) and --seq (the plan's tokens per sequence)")

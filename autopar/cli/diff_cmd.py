@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from autopar.cli.common import check_output_path, load_plan, output_format, write_output
+from autopar.report.diff import plan_diff, render_diff
 
 FORMATS = ("text", "markdown", "json")
 
@@ -29,8 +30,6 @@ def diff_cmd(plan_a: str, plan_b: str, fmt: str | None, out: str | None, quiet: 
       autopar diff a/plan.yaml b/plan.yaml --format markdown --out CHANGES.md
       autopar diff a/plan.yaml b/plan.yaml --format json
     """
-    from autopar.report.diff import plan_diff, render_diff
-
     fmt = output_format(fmt, out, FORMATS)
     if out:
         check_output_path(out)

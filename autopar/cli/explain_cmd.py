@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from autopar.cli.common import load_plan
+from autopar.report.explain import block_explain, node_explain, overview, render_explain
 
 
 @click.command("explain", short_help="A block's or op's sharding, the alternatives, their costs.")
@@ -29,8 +30,6 @@ def explain_cmd(plan_path: str, block: str | None, node: str | None, fmt: str) -
       autopar explain plan.yaml --node self_attn.q_proj
       autopar explain plan.yaml --block 0 --format json
     """
-    from autopar.report.explain import block_explain, node_explain, overview, render_explain
-
     if block is not None and node is not None:
         raise click.UsageError("give --block or --node, not both")
     plan = load_plan(plan_path)

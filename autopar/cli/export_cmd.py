@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import click
 
+from autopar.cli.common import progress
+from autopar.errors import PlanError
+from autopar.serve.hf_export import export_hf
+
 
 def _bytes(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
@@ -63,8 +67,6 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
       autopar export lora-run --to hf ./merged --merge   # a whole model, LoRA folded in
       autopar export tiny-llama --to onnx ./onnx --batch 4 --prompt-len 64 --max-len 256
     """
-    from autopar.errors import PlanError
-
     onnx_only = {"--batch": batch, "--max-len": max_len, "--prompt-len": prompt_len}
     if fmt == "onnx":
         hf_only = {"--dtype": dtype != "fp32", "--max-shard-size": max_shard_size != "5GB",
@@ -80,7 +82,6 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
     if given:
         raise PlanError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --to "
                         f"onnx; drop {'it' if len(given) == 1 else 'them'} with --to hf")
-    from autopar.runtime.hf_export import export_hf
 
     report = export_hf(directory, out, dtype=dtype, max_shard_bytes=_bytes(max_shard_size),
                        merge=merge)
@@ -95,8 +96,7 @@ def export_cmd(directory: str, fmt: str, out: str, dtype: str, max_shard_size: s
 
 def _export_onnx(model: str, out: str, batch: int | None, max_len: int | None,
                  prompt_len: int | None) -> None:
-    from autopar.cli.common import progress
-    from autopar.runtime.onnx_decode import export_onnx
+    from autopar.serve.onnx_decode import export_onnx
 
     sizes = {k: v for k, v in (("batch", batch), ("max_len", max_len),
                                ("prompt_len", prompt_len)) if v is not None}

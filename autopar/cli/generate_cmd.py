@@ -9,15 +9,17 @@ from pathlib import Path
 
 import click
 
-from autopar.cli.common import init_process_group
+from autopar.artifact import load_artifact
+from autopar.data.instruction import load_hf_tokenizer
+from autopar.errors import PlanError
+from autopar.serve.generate import Generator, new_tokens
+from autopar.train.launch import init_process_group
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
     """Token-id prompts from FILE: JSONL lines with ``ids`` (a list of token ids) or
     ``prompt``/``text`` (text, tokenized by ``tokenizer``), or a text file of one prompt per
     line."""
-    from autopar.errors import PlanError
-
     file = Path(path)
     if not file.is_file():
         raise PlanError(f"--prompts {path}: no such file; pass a JSONL of {{\"ids\": [...]}} or "
@@ -93,21 +95,14 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
     """
     import torch.distributed as dist
 
-    from autopar.errors import PlanError
-    from autopar.runtime.generate import Generator
-
     folder = tokenizer or (model if (Path(model) / "tokenizer_config.json").is_file() else None)
     tok = None
     if folder is not None:
-        from autopar.data.instruction import load_hf_tokenizer
-
         tok = load_hf_tokenizer(folder)
     ids = read_prompts(prompts, tok)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = None
     if world > 1:
-        from autopar.codegen import load_artifact
-
         if not (Path(model) / "manifest.json").is_file():
             raise PlanError(f"{world} processes need a plan: pass an artifact DIR, or run "
                             f"without torchrun")
@@ -136,7 +131,6 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from autopar.runtime.generate import new_tokens
 
     print_generated(new_tokens(out, ids, eos_token_id), tok, seconds)
 

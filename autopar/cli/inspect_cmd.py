@@ -7,6 +7,8 @@ import json
 import click
 
 from autopar.cli.common import capture_model
+from autopar.ir.summary import summary_dict, summary_text
+from autopar.models import list_models as names
 
 
 @click.command("inspect", short_help="Capture MODEL; print parameters, FLOPs, blocks, big tensors.")
@@ -34,11 +36,7 @@ def inspect_cmd(model: str, batch: int, seq: int | None, fmt: str, quiet: bool,
       autopar inspect tiny-mixtral --format json
       autopar inspect mypkg.models:make_model
     """
-    from autopar.ir.summary import summary_dict, summary_text
-
     if list_models:
-        from autopar.models import list_models as names
-
         click.echo("\n".join(names()))
         return
     graph = capture_model(model, batch, seq, quiet)

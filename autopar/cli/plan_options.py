@@ -10,6 +10,10 @@ from collections.abc import Callable, Iterator
 import click
 
 from autopar.cli.common import capture_model
+from autopar.cost.hardware import load_cluster
+from autopar.errors import PlanError
+from autopar.peft import parse_peft
+from autopar.search.constraints import load_constraints
 
 _SEQ_OPTION = click.option(
     "--seq", type=click.IntRange(min=1), default=None,
@@ -79,17 +83,11 @@ def check_plan_inputs(*, cluster: str, task: str, constraints: tuple[str, ...],
                       ) -> tuple[list | None, dict, object]:
     """The checks :func:`capture_for_plan` runs before capture: (the constraints as
     ``autopar.plan`` takes them, their pins, the parsed ``--peft`` or None)."""
-    from autopar.cost.hardware import load_cluster
-    from autopar.errors import PlanError
-    from autopar.search.constraints import load_constraints
-
     listed = list(constraints) or None
     pins = load_constraints(listed)
     load_cluster(cluster)
     peft_config = None
     if peft is not None:
-        from autopar.peft import parse_peft
-
         if task != "finetune":
             raise PlanError(f"--peft trains part of the model: add --task finetune (not "
                             f"--task {task})")

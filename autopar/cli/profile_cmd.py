@@ -8,8 +8,11 @@ from pathlib import Path
 
 import click
 
+from autopar.calibrate.profile import profile_machine, write_profile
+from autopar.calibrate.recalibrate import recalibrate
 from autopar.cli.common import progress
 from autopar.errors import AutoparError
+from autopar.report.fmt import seconds
 
 
 def _si(value: float, unit: str) -> str:
@@ -85,8 +88,6 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool,
       autopar profile --quick --format json --quiet
       autopar profile --from-run run-a --from-run run-b --out fitted.yaml
     """
-    from autopar.cost.profile import profile_machine, write_profile
-
     if not out.parent.is_dir():
         raise AutoparError(f"cannot write {out}: folder {out.parent} does not exist")
     if runs:
@@ -106,9 +107,6 @@ def profile_cmd(out: Path, nprocs: int, quick: bool, fmt: str, quiet: bool,
 
 
 def _from_runs(runs: list[str], base: str | None, out: Path, fmt: str, quiet: bool) -> None:
-    from autopar.cost.profile import write_profile
-    from autopar.runtime.recalibrate import recalibrate
-
     with progress(f"fitting the cost model to {len(runs)} run(s)", quiet):
         data = recalibrate(runs, base)
     argv = ["autopar", "profile", "--out", str(out)] + [a for r in runs for a in
@@ -125,8 +123,6 @@ def _from_runs(runs: list[str], base: str | None, out: Path, fmt: str, quiet: bo
 
 def from_run_text(data: dict, path: Path) -> str:
     """What the fit changed, and each run's step measured and predicted before and after."""
-    from autopar.report.fmt import seconds
-
     dev = data["device"]
     lines = [f"{data['name']}: fitted to {len(data['calibration']['runs'])} run(s)",
              f"  per-op overhead      {_seconds(dev['kernel_overhead_s'])}",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import click
 
 from autopar.cli.common import check_output_path, load_plan, output_format, progress, write_output
+from autopar.errors import PlanError
+from autopar.report import render
+from autopar.report.run import load_run
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -49,16 +52,11 @@ def report_cmd(plan_path: str, fmt: str | None, out: str | None, with_run: bool,
     if with_run:
         from pathlib import Path
 
-        from autopar.errors import PlanError
-        from autopar.report.run import load_run
-
         if not Path(plan_path).is_dir():
             raise PlanError(f"--run reads a run's logs from its artifact directory; pass the "
                             f"DIR that autopar compile wrote and autopar run trained, not "
                             f"{plan_path}")
         run = load_run(plan_path)
-    from autopar.report import render
-
     with progress("drawing the report", quiet or fmt != "html"):
         text = render(plan, fmt, run)
     write_output(text, out, quiet)

@@ -1,78 +1,32 @@
-"""``autopar run DIR``: train an artifact under torchrun (or as one process); ``--generate``
+"""``autopar run DIR``: train an artifact under torchrun (or as one process) through the
+training package's launcher (:func:`autopar.train.launch.train_artifact`); ``--generate``
 serves a generation artifact (compiled with ``--task infer``) from its generate.py."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import click
+import torch
 
-from autopar.cli.common import init_process_group
-from autopar.cli.run_options import RunOptions
+from autopar.artifact import load_artifact
+from autopar.cli.generate_cmd import print_generated, read_prompts
 from autopar.cli.train_options import hyperparameters, profile_window, training_options
-from autopar.runtime.profiling import StepProfiler
-from autopar.runtime.run_log import RunLog, archive_logs
-
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
-def _device_type(cluster: str, override: str | None) -> str:
-    if override:
-        return override
-    from autopar.cost.hardware import load_cluster
-    from autopar.errors import PlanError
-
-    try:
-        return load_cluster(cluster).device.type
-    except PlanError:  # a profile file from another machine: run where we are
-        return "cpu"
-
-
-def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) -> object:
-    """The program to run, as a module: DIR/train.py (DIR/generate.py for a plan of task
-    "infer") as autopar wrote it, regenerated when plan.yaml changed since (one process per
-    machine writes it), or as the user edited it (kept, and said so); refused in one line when
-    it lacks a function of ``needs``."""
-    from pathlib import Path
-
-    from autopar.codegen import load_program, program_file, program_state, regenerate_program
-    from autopar.codegen.program import digest
-    from autopar.errors import PlanError
-
-    name = program_file(plan)
-    path = Path(directory) / name
-    state = program_state(directory, name)
-    speak = int(os.environ.get("RANK", "0")) == 0
-    note = None
-    if state in ("missing", "stale"):
-        writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        text = regenerate_program(directory, plan, manifest, write=writer)
-        note = (f"{name} was missing" if state == "missing" else
-                f"plan.yaml changed since {name} was generated") + ": regenerated it"
-    else:
-        text = path.read_text()
-        if state == "edited":
-            note = (f"{path} was edited by hand: running it as it is (delete it to "
-                    f"regenerate it from plan.yaml)")
-            if digest((Path(directory) / "plan.yaml").read_bytes()) != \
-                    manifest.get("program", {}).get("plan_sha256"):
-                note += "; plan.yaml changed too, and your program may not follow it"
-    try:
-        program = load_program(text, str(path))
-    except SyntaxError as exc:
-        raise PlanError(f"{path}:{exc.lineno}: {exc.msg}; fix it, or delete it to regenerate "
-                        f"it from plan.yaml") from None
-    except Exception as exc:  # noqa: BLE001 - a hand-edited program's own error, in one line
-        raise PlanError(f"{path} fails to load ({type(exc).__name__}: {exc}); fix it, or "
-                        f"delete it to regenerate it from plan.yaml") from None
-    missing = [f for f in needs if not callable(getattr(program, f, None))]
-    if missing:
-        raise PlanError(f"{path} defines no {missing[0]}(), which autopar run calls; restore "
-                        f"it, or delete the file to regenerate it from plan.yaml")
-    if note and speak:
-        click.echo(f"autopar: {note}", err=True)
-    return program
+from autopar.data.instruction import load_hf_tokenizer
+from autopar.errors import PlanError
+from autopar.plan.support import refuse_unsupported
+from autopar.serve.generate import check_sampling, check_servable, serve, serving_model
+from autopar.train.evaluate import HeldOut
+from autopar.train.launch import (
+    BACKENDS,
+    device_type,
+    init_process_group,
+    run_program,
+    teardown,
+    train_artifact,
+)
+from autopar.train.options import RunOptions
+from autopar.train.trainer import run_device
 
 
 @click.command("run")
@@ -84,7 +38,7 @@ def _program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) 
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the weights and the synthetic data (with --generate: the "
                    "sampling draws).")
-@click.option("--device", type=click.Choice(sorted(_BACKENDS)), default=None,
+@click.option("--device", type=click.Choice(sorted(BACKENDS)), default=None,
               help="Device type [default: the plan cluster's].")
 @click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
               help="Save DIR/checkpoints every N steps (and always at the end).")
@@ -154,14 +108,9 @@ def run_cmd(**params: object) -> None:
 
 def run(options: RunOptions) -> None:
     """``autopar run`` for parsed options: serve or train the artifact."""
-    from autopar.codegen import load_artifact
-    from autopar.errors import PlanError
-
     directory, steps, resume, training = options.directory, options.steps, options.resume, \
         options.training
     manifest, plan = load_artifact(directory)
-    from autopar.plan.support import refuse_unsupported
-
     refuse_unsupported(plan)  # before any program is (re)generated
     if options.serving or plan.task == "infer":
         if resume or options.init_from:
@@ -179,181 +128,17 @@ def run(options: RunOptions) -> None:
         else None
     held = None
     if training["eval_source"] is not None:
-        from autopar.runtime.evaluate import HeldOut
-
         held = HeldOut(str(training["eval_source"]), int(training["eval_batches"]))
     elif training["eval_every"]:
         raise PlanError("--eval-every needs --eval PATH|synthetic: the held-out data")
-    program = _program(directory, manifest, plan)
-    if resume and options.init_from and int(os.environ.get("RANK", "0")) == 0:
-        click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
-                   err=True)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan.check_world_size(world)
-    _refuse_unasked_overwrite(directory, resume, bool(training["overwrite"]))
-    if not resume and int(os.environ.get("RANK", "0")) == 0:
-        # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
-        # start writing: the others wait for rank 0 in the process group's start)
-        archive_logs(Path(directory) / "logs")
-    kind = _device_type(plan.cluster, options.device)
-    if kind != "cpu":  # this process's accelerator, before any collective needs it
-        import torch
-
-        if not torch.accelerator.is_available():
-            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
-                            f"accelerator; add --device cpu to run it on CPU processes")
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        init_process_group(_BACKENDS[kind], options.timeout_s)
-    finished = False
-    try:
-        _train(options, manifest, plan, program, kind, world, hyper, held, window)
-        finished = True
-    finally:
-        # _train has returned: its trainer and model are unreferenced, so _teardown's
-        # collection frees them (and a DDP reducer's hold on a group) before the groups go
-        _teardown(world, finished)
+    train_artifact(options, manifest, plan, hyper=hyper, held=held, window=window)
 
 
-def _train(options: RunOptions, manifest: dict, plan, program, kind: str, world: int, hyper,
-           held, window: tuple[int, int] | None) -> None:
-    """The run between process-group start and teardown: build the trainer, train, report
-    on rank 0. A lost peer or a failing step becomes one RunFailure line."""
-    directory, steps, resume, training = options.directory, options.steps, options.resume, \
-        options.training
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from autopar.errors import RunFailure
-    from autopar.runtime import Trainer
-
-    logs = Path(directory) / "logs"
-    rank = int(os.environ.get("RANK", "0"))
-    run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
-                     every=int(training["log_every"]), resume=resume) if rank == 0 else None
-    trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=options.seed,
-                      hyper=hyper, log=run_log, data=options.data,
-                      init_from=None if resume else options.init_from)
-    evaluate = _evaluator(held, trainer)  # held-out data checked before any step
-    profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
-        if window is not None else None
-    ckpt = Path(directory) / "checkpoints"
-    if resume:
-        trainer.resume(ckpt)
-    try:
-        losses = trainer.train(steps, checkpoint_dir=ckpt,
-                               checkpoint_every=options.checkpoint_every, evaluate=evaluate,
-                               eval_every=int(training["eval_every"]), profiler=profiler,
-                               keep_last=int(training["keep_last"]),
-                               final_save=bool(training["final_save"]))
-    except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
-        if world == 1:
-            raise
-        raise RunFailure(failure_line(exc, trainer, plan, logs, ckpt)) from None
-    if trainer.rank == 0:
-        summary = getattr(trainer, "profile_summary", None)
-        if summary is not None:
-            from autopar.runtime.profiling import summary_text
-
-            click.echo(summary_text(summary))
-            click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
-                       f"autopar report {directory} --run")
-        click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
-                   f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
-
-
-def failure_line(exc: BaseException, trainer, plan, logs: Path, ckpt: Path) -> str:
-    """The one line a failed rank ends with: what happened at which step, the start of the
-    error, where its whole text is (DIR/logs/error-rank<N>.txt, and torchrun's error file so
-    that its summary names the root cause), and advice that fits: an out-of-memory error is
-    not fixed by resuming."""
-    import traceback
-
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    from autopar.report import fmt
-    from autopar.runtime.checkpoint import latest_checkpoint
-
-    rank = trainer.rank
-    full_text = "".join(traceback.format_exception(exc))
-    where = logs / f"error-rank{rank}.txt"
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        where.write_text(full_text)
-    except OSError:
-        where = None
-    ErrorHandler().record_exception(exc)  # TORCHELASTIC_ERROR_FILE, when torchrun set one
-    reason = " ".join(str(exc).split())
-    reason = reason if len(reason) <= 300 else reason[:297] + "..."
-    oom = isinstance(exc, torch_oom()) or "out of memory" in reason.lower()
-    lost = not oom and (isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
-        word in reason.lower() for word in ("connection", "peer", "timed out", "gloo")))
-    what = ("ran out of memory" if oom else "lost its peers" if lost else "failed") + \
-        f" at step {trainer.step_index}"
-    cause = "" if oom else ("a process died or the network failed: " if lost
-                            else "an error on this rank: ")
-    whole = f"; whole error in {where}" if where is not None else ""
-    if oom:
-        predicted = plan.predicted.memory.get("total", 0.0) if plan.predicted else 0.0
-        advice = (f"the plan predicts {fmt.nbytes(predicted)} on the busiest device of "
-                  f"{fmt.nbytes(plan.memory_limit_bytes)} usable; re-plan leaner (autopar "
-                  f"compile ... --memory-limit-gb N below what this device really has, or "
-                  f"--constraints recompute=full,microbatch_size=1)")
-    else:
-        last = latest_checkpoint(ckpt)
-        advice = f"last complete checkpoint: {last or 'none'}; relaunch with --resume"
-    return f"rank {rank} {what} ({cause}{reason}){whole}; {advice}"
-
-
-def torch_oom() -> type[BaseException]:
-    """torch's out-of-memory error type (any accelerator)."""
-    import torch
-
-    return getattr(torch, "OutOfMemoryError", MemoryError)
-
-
-def _refuse_unasked_overwrite(directory: str, resume: bool, overwrite: bool) -> None:
-    """A new run (no --resume) in a directory whose checkpoints an earlier run wrote would
-    replace them step by step and move ``latest``: refused unless asked for."""
-    from autopar.errors import PlanError
-    from autopar.runtime.checkpoint import latest_checkpoint
-
-    ckpt = Path(directory) / "checkpoints"
-    last = latest_checkpoint(ckpt)
-    if last is not None and not resume and not overwrite:
-        raise PlanError(f"{ckpt} holds {last.name} from an earlier run; pass --resume to "
-                        f"continue it, or --overwrite to start a new run (it replaces those "
-                        f"checkpoints as it saves)")
-
-
-def _evaluator(held, trainer):
-    """``evaluate(trainer)`` over the held-out data (opened and checked now), or None."""
-    if held is None:
-        return None
-    from autopar.errors import PlanError
-    from autopar.runtime.evaluate import evaluate, held_out_source
-
-    if trainer.task.classifies:
-        raise PlanError("--eval measures a language model's loss and perplexity on held-out "
-                        "tokens; this model is a classifier: drop --eval")
-    data = held_out_source(held, trainer.vocab)
-    return lambda t: evaluate(t, held, data)
-
-
-def _serve(given: RunOptions, manifest: dict, plan) -> None:
+def _serve(options: RunOptions, manifest: dict, plan) -> None:
     """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
     (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
-    directory, prompts, tokenizer = given.directory, given.generation.prompts, \
-        given.generation.tokenizer
-    options = given.generation.decoding(given.seed)
-
-    from autopar.cli.generate_cmd import print_generated, read_prompts
-    from autopar.errors import PlanError
-    from autopar.runtime.generate import check_sampling, check_servable, serve, serving_model
-    from autopar.runtime.trainer import run_device
-
+    directory, prompts, generation = options.directory, options.generation.prompts, \
+        options.generation
     if plan.task != "infer":
         raise PlanError(f"{directory} was compiled for --task {plan.task}; --generate serves an "
                         f"artifact compiled with --task infer (autopar compile MODEL --task "
@@ -363,53 +148,31 @@ def _serve(given: RunOptions, manifest: dict, plan) -> None:
         raise PlanError(f"{directory} is a serving artifact (compiled with --task infer) and "
                         f"needs prompts: autopar run {directory} --generate --prompts FILE")
     check_servable(plan, manifest["model"])
-    check_sampling(options["max_new_tokens"], options["do_sample"], options["temperature"],
-                   options["top_k"], options["top_p"])
+    check_sampling(generation.max_new_tokens, generation.sample, generation.temperature,
+                   generation.top_k, generation.top_p)
     tok = None
-    if tokenizer is not None:
-        from autopar.data.instruction import load_hf_tokenizer
-
-        tok = load_hf_tokenizer(tokenizer)
+    if generation.tokenizer is not None:
+        tok = load_hf_tokenizer(generation.tokenizer)
     ids = read_prompts(prompts, tok)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan.check_world_size(world)
-    program = _program(directory, manifest, plan, needs=("build_mesh", "parallelize",
-                                                         "generate"))
-    kind = _device_type(plan.cluster, given.device)
+    program = run_program(directory, manifest, plan,
+                          needs=("build_mesh", "parallelize", "generate"))
+    kind = device_type(plan.cluster, options.device)
     if kind != "cpu":
-        import torch
-
         if not torch.accelerator.is_available():
             raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
                             f"accelerator; add --device cpu to run it on CPU processes")
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        init_process_group(_BACKENDS[kind], given.timeout_s)
+        init_process_group(BACKENDS[kind], options.timeout_s)
     finished = False
     try:
         model = serving_model(directory, run_device(kind))
-        rows, seconds = serve(program, model, ids, device=kind, **options)
+        rows, seconds = serve(program, model, ids, device=kind,
+                              **generation.decoding(options.seed))
         finished = True
     finally:
-        _teardown(world, finished)
+        teardown(world, finished)
     if int(os.environ.get("RANK", "0")) == 0:
         print_generated(rows, tok, seconds)
-
-
-def _teardown(world: int, finished: bool) -> None:
-    """End a finished run in order: what held the process groups is freed first (the model,
-    its DDP reducer: the caller's objects are out of scope by now), then a barrier (gloo
-    aborts a process whose peer destroys its threads mid-exchange), then every group is
-    destroyed while the interpreter is whole. A failed or interrupted run destroys nothing:
-    a peer may still be inside a collective, which a group's shutdown would wait on, and the
-    process exits next (autopar.cli.end_process) with its threads."""
-    import gc
-
-    import torch.distributed as dist
-
-    if not finished:
-        return
-    gc.collect()
-    if world > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -8,13 +8,17 @@ import time
 
 import click
 
-from autopar.cli.common import check_output_path, output_format, write_output
+from autopar.cli.common import capture_model, check_output_path, output_format, write_output
 from autopar.cli.plan_options import (
     capture_for_plan,
     check_plan_inputs,
     plan_options_but_seq,
     search_progress,
 )
+from autopar.errors import InfeasibleError, PlanError
+from autopar.models.spec import is_factory
+from autopar.report.sweep import render_sweep, short_reason
+from autopar.search.sweep import devices_range, sweep, sweep_seq, tokens_range
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -23,9 +27,6 @@ def parse_budgets(ctx: click.Context | None, param: click.Parameter | None,
                   value: str) -> list[int]:
     """``8,16,64`` or ``8..1024`` (8, 16, 32, ... 1024: doubling), or both comma-joined;
     ascending, without repeats."""
-    from autopar.errors import PlanError
-    from autopar.search.sweep import devices_range
-
     budgets: set[int] = set()
     for item in value.split(","):
         item = item.strip()
@@ -64,9 +65,6 @@ def parse_seqs(ctx: click.Context | None, param: click.Parameter | None,
                value: str | None) -> list[int] | None:
     """``4096``, ``8k,32k`` or ``8k..1M`` (8k, 16k, ..., 1M: doubling), or both
     comma-joined; ascending, without repeats. None when not given."""
-    from autopar.errors import PlanError
-    from autopar.search.sweep import tokens_range
-
     if value is None:
         return None
     lengths: set[int] = set()
@@ -132,10 +130,6 @@ def sweep_cmd(model: str, budgets: list[int], cluster: str, task: str,
       autopar sweep llama3-8b --devices 1..8 --task infer --global-batch 64 --seq 4096
       autopar sweep llama3-8b --devices 64 --cluster h100-80g --seq 8k..128k
     """
-    from autopar.errors import InfeasibleError
-    from autopar.report.sweep import render_sweep
-    from autopar.search.sweep import sweep
-
     fmt = output_format(fmt, out, FORMATS)
     if out:
         check_output_path(out)  # before the capture, so a bad path fails in milliseconds
@@ -167,8 +161,6 @@ def sweep_cmd(model: str, budgets: list[int], cluster: str, task: str,
                      time_limit_s=time_limit_s, max_token_latency_ms=max_token_latency_ms)
     planned = time.perf_counter()
     if not any(r.feasible for r in rows):
-        from autopar.report.sweep import short_reason
-
         last = rows[-1]
         raise InfeasibleError(f"no plan for any of the {len(rows)} budgets "
                               f"({', '.join(str(r.devices) for r in rows)} devices); at "
@@ -186,12 +178,6 @@ def _sweep_lengths(model: str, devices: int, seqs: list[int], *, cluster: str, t
                    time_limit_s: float | None, quiet: bool) -> list:
     """The rows of a sweep over sequence lengths (one capture per length), with the fast
     checks run before the first capture; exit code 2 when no length has a plan."""
-    from autopar.cli.common import capture_model
-    from autopar.errors import InfeasibleError
-    from autopar.models.spec import is_factory
-    from autopar.report.sweep import short_reason
-    from autopar.search.sweep import sweep_seq
-
     if is_factory(model):
         raise click.BadParameter(f"{model} builds its own example inputs, whose length --seq "
                                  f"cannot change: sweep a shipped name or a config",

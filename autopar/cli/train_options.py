@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import click
 
-from autopar.runtime.optim import DECAYS, Hyperparameters
+from autopar.errors import PlanError
+from autopar.train.optim import DECAYS, Hyperparameters
 
 
 def _betas(ctx, param, value: str) -> tuple[float, float]:
@@ -89,8 +90,6 @@ def hyperparameters(options: dict) -> Hyperparameters:
 def profile_window(steps: int, chosen: tuple[int, int] | None) -> tuple[int, int]:
     """Which steps of a run of ``steps`` the profiler records: ``chosen`` (checked against
     the run), else the last up-to-3 steps after the first."""
-    from autopar.errors import PlanError
-
     if chosen is None:
         start = 1 if steps > 1 else 0
         return max(start, steps - 3), steps

@@ -2,21 +2,18 @@
 the training program (train.py), or for a plan of task "infer" the generation program
 (generate.py)."""
 
+from autopar.artifact import PROGRAM_FILE, load_artifact, load_program, program_state
 from autopar.codegen.artifact import (
     compile_artifact,
-    load_artifact,
     program_file,
     program_for,
     regenerate_program,
 )
 from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
 from autopar.codegen.program import (
-    PROGRAM_FILE,
     generated_program,
-    load_program,
     model_program,
     model_program_text,
-    program_state,
     program_text,
 )
 

@@ -16,17 +16,27 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from autopar.codegen.artifact_swap import new_files_dir, recover, swap_in
+from autopar.artifact.load import (
+    MANIFEST_VERSION,
+    PROGRAM_FILE,
+    digest,
+    is_artifact,
+    library_versions,
+    program_state,
+)
+from autopar.artifact.swap import new_files_dir, recover, swap_in
 from autopar.codegen.generate_program import GENERATE_FILE, generate_program_text
-from autopar.codegen.program import PROGRAM_FILE, digest, program_state, program_text
+from autopar.codegen.program import program_text
 from autopar.cost.engines import MEGATRON_ENGINES
 from autopar.errors import PlanError
 from autopar.files import fsync_dir, fsync_file
+from autopar.models.source import describe_source
 from autopar.plan import PLAN_VERSION, Plan
+from autopar.plan.deepspeed import deepspeed_config
+from autopar.plan.launch import devices_per_node
+from autopar.plan.megatron import megatron_command
+from autopar.plan.mindformers import mindformers_yaml
 from autopar.plan.support import context_parallel_refusal
-from autopar.runtime.source import describe_source
-
-MANIFEST_VERSION = 2
 
 
 def program_file(plan: Plan) -> str:
@@ -52,7 +62,7 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
                      emit: tuple[str, ...] = ()) -> Path:
     """Write ``out_dir`` and return it. A new directory appears whole or not at all; in an
     existing artifact only the generated files are swapped (see
-    :mod:`autopar.codegen.artifact_swap`): ``checkpoints/``, ``logs/`` and anything else
+    :mod:`autopar.artifact.swap`): ``checkpoints/``, ``logs/`` and anything else
     there stay where they are, and an interrupted compile leaves the previous artifact.
 
     ``model`` is a shipped name / config path / ``module:factory`` string, or an nn.Module
@@ -124,32 +134,17 @@ def _write_files(dest: Path, plan: Plan, source: dict, emit: tuple[str, ...]) ->
     if "mindformers" in emit:  # a MindFormers YAML's parallel sections, on request
         import yaml
 
-        from autopar.plan.mindformers import mindformers_yaml
-
         (dest / "mindformers.yaml").write_text(yaml.safe_dump(mindformers_yaml(plan),
                                                               sort_keys=False))
     if "megatron" in emit:  # a Megatron-LM launch command, on request
-        from autopar.plan.launch import devices_per_node
-        from autopar.plan.megatron import megatron_command
 
         # nodes as the plan's cluster has them (unknown: one node of all the devices)
         per_node = devices_per_node(plan.cluster) or plan.devices
         (dest / "megatron.sh").write_text(megatron_command(plan, gpus_per_node=per_node))
     if "deepspeed" in emit:  # the plan in DeepSpeed's format, on request
-        from autopar.plan.deepspeed import deepspeed_config
 
         (dest / "deepspeed.json").write_text(json.dumps(deepspeed_config(plan), indent=2)
                                              + "\n")
-
-
-def is_artifact(directory: Path) -> bool:
-    """Whether ``directory`` is an autopar artifact: its manifest.json is a JSON object with
-    an integer manifest version (any version: an older artifact is still ours to replace)."""
-    try:
-        manifest = json.loads((Path(directory) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and type(manifest.get("manifest_version")) is int
 
 
 def _holds_cwd(out: Path) -> bool:
@@ -199,50 +194,3 @@ def regenerate_program(directory: str | Path, plan: Plan, manifest: dict, write:
     return program
 
 
-def library_versions() -> dict[str, str]:
-    """The torch and transformers releases this process plans with (local build tags such as
-    "+cpu" or "+cu124" dropped: the same release on another device is the same program)."""
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__.split("+")[0],
-            "transformers": transformers.__version__.split("+")[0]}
-
-
-def check_versions(manifest: dict, where: str) -> None:
-    """Refuse to run an artifact planned with other torch or transformers releases: module
-    paths, traced graphs and init rules can differ between them."""
-    recorded = manifest.get("versions")
-    if not recorded:
-        return  # artifacts written before versions were recorded
-    here = library_versions()
-    for lib, version in sorted(recorded.items()):
-        if here.get(lib) != version:
-            raise PlanError(f"{where} was planned with {lib} {version} but this is {lib} "
-                            f"{here.get(lib)}; install {lib}=={version} or re-run autopar "
-                            f"compile")
-
-
-def load_artifact(directory: str | Path) -> tuple[dict, Plan]:
-    """(manifest, plan) of an artifact directory, checked for version and consistency."""
-    d = Path(directory)
-    recover(d)  # a compile killed mid-swap: the previous artifact is put back
-    manifest_path = d / "manifest.json"
-    if not manifest_path.is_file():
-        raise PlanError(f"{d} is not an autopar artifact (no manifest.json); create one with "
-                        f"`autopar compile MODEL --devices N --out {d}`")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{manifest_path} is corrupt ({exc.msg}); re-run autopar compile") \
-            from None
-    if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise PlanError(f"{manifest_path} has manifest version "
-                        f"{manifest.get('manifest_version')!r}, this autopar reads "
-                        f"{MANIFEST_VERSION}; re-run autopar compile")
-    check_versions(manifest, str(d))
-    plan = Plan.load(d / "plan.yaml")
-    if plan.devices != manifest.get("devices"):
-        raise PlanError(f"{d}: plan.yaml is for {plan.devices} devices but the manifest says "
-                        f"{manifest.get('devices')}; re-run autopar compile")
-    return manifest, plan

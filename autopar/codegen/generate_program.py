@@ -4,7 +4,7 @@ pipeline stages), the KV cache, and the prefill-then-decode loop, as plain PyTor
 over autopar's runtime helpers. ``autopar run DIR --generate`` and ``torchrun
 DIR/generate.py`` execute it; tests load the same text, so what is generated is what runs.
 
-The runtime (:func:`autopar.runtime.generate.serve`) builds the whole model with its weights
+The runtime (:func:`autopar.serve.generate.serve`) builds the whole model with its weights
 on every rank and calls, in this order: ``build_mesh(device)``, ``parallelize(model, mesh)``
 (returning the model and this rank's pipeline stage, or None) and ``generate(model, stage,
 prompts, ...)`` for its data-parallel replica's share of the prompts.
@@ -24,10 +24,17 @@ from autopar.codegen.program import (
     prose,
     torch_style_imports,
 )
+from autopar.cost.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
+from autopar.models.source import build_from_source
+from autopar.parallel.generate_stages import stage_owners
+from autopar.parallel.tensor_parallel import (
+    TensorParallelLayout,
+    layer_names,
+    tensor_parallel_layout,
+)
+from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
-from autopar.plan.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
-from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
 
 GENERATE_FILE = "generate.py"
 
@@ -35,13 +42,8 @@ GENERATE_FILE = "generate.py"
 def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> str:
     """The generation program for ``plan`` (task "infer"; ``source``: the manifest's model
     recipe)."""
-    from autopar.runtime.source import build_from_source
-    from autopar.runtime.tensor_parallel import tensor_parallel_layout
-
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:
-        from autopar.peft import apply_peft
-
         apply_peft(model, plan.peft)
     # a decode step has one token: nothing to split over the sequence, so the plan's weights
     # run as plain tensor parallelism; the LM head gathers whole logits for every rank
@@ -120,11 +122,11 @@ def _imports(w: _Writer, plan: Plan, source: dict, layout: TensorParallelLayout 
     torch_style_imports(w, layout.styles if layout is not None else None)
     w.blank()
     if layout is not None:
-        w.line("from autopar.runtime import program as ap")
-    w.line("from autopar.runtime.generate import left_pad, new_cache, sample_next")
+        w.line("from autopar.parallel import program_steps as ap")
+    w.line("from autopar.serve.generate import left_pad, new_cache, sample_next")
     if plan.mesh["pp"] > 1:
-        w.line("from autopar.runtime.generate_stages import split_stages")
-    w.line("from autopar.runtime.loss import full, logits_of")
+        w.line("from autopar.parallel.generate_stages import split_stages")
+    w.line("from autopar.train.loss import full, logits_of")
     autopar_style_imports(w, styles)
     w.blank()
     if source.get("kind") == "hf_config":
@@ -155,8 +157,6 @@ def _mesh(w: _Writer, plan: Plan) -> None:
 
 
 def _stages(w: _Writer, plan: Plan) -> None:
-    from autopar.runtime.generate_stages import stage_owners
-
     w.line("# pipeline: each rank runs and caches only its layers (the plan's chunk c on "
            "pipeline rank c % pp);")
     w.line("# another rank's layer is a Relay that passes its input through, the hidden states "
@@ -194,8 +194,6 @@ def _cache(w: _Writer, plan: Plan, model, layout: TensorParallelLayout | None) -
                    f"heads")
     owners = {}
     if pp > 1:
-        from autopar.runtime.generate_stages import stage_owners
-
         for rank in stage_owners(plan).values():
             owners[rank] = owners.get(rank, 0) + 1
     layers = max(owners.values()) if owners else config.num_hidden_layers

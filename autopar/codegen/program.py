@@ -16,39 +16,40 @@ calls the same functions on the model's real weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import types
-from pathlib import Path
 
 from torch import nn
 
+from autopar.artifact.load import load_program
 from autopar.codegen.cp_program import (
     context_parallel_mesh,
     context_parallel_statements,
     context_parallel_table,
     dp_axis,
 )
+from autopar.cost.precision import TORCH_DTYPE_NAMES
+from autopar.models.source import build_from_source
+from autopar.parallel.expert_parallel import experts_use_ddp
+from autopar.parallel.pipeline import chunk_ranges
+from autopar.parallel.style_spec import StyleSpec
+from autopar.parallel.tensor_parallel import (
+    TensorParallelLayout,
+    layer_names,
+    tensor_parallel_layout,
+)
+from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
-from autopar.plan.precision import TORCH_DTYPE_NAMES
-from autopar.runtime.expert_parallel import experts_use_ddp
-from autopar.runtime.style_spec import StyleSpec
-from autopar.runtime.tensor_parallel import TensorParallelLayout, layer_names
-
-PROGRAM_FILE = "train.py"
 
 
 def program_text(plan: Plan, source: dict, *, model_name: str = "",
                  whole_logits: bool = False) -> str:
     """The program for ``plan`` (``source``: the manifest's model recipe). ``whole_logits``:
     see :func:`model_program_text`."""
-    from autopar.runtime.source import build_from_source
-
     model = build_from_source(source, seed=0, device="meta")
     if plan.peft:  # the layout names the adapters' parameters too
-        from autopar.peft import apply_peft
 
         apply_peft(model, plan.peft)
     return model_program_text(plan, model, source=source, model_name=model_name,
@@ -63,8 +64,6 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     caller's own loss (``autopar.parallelize``), instead of leaving it split over the
     vocabulary for autopar's vocabulary-parallel loss (the Trainer's); the program states
     which."""
-    from autopar.runtime.tensor_parallel import tensor_parallel_layout
-
     source = source or {}
     m = plan.mesh
     layout = None
@@ -105,14 +104,6 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     return w.text()
 
 
-def load_program(text: str, filename: str = PROGRAM_FILE) -> types.ModuleType:
-    """Execute program text as a module (not as ``__main__``) and return it."""
-    module = types.ModuleType("autopar_program")
-    module.__file__ = filename
-    exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - the plan's program
-    return module
-
-
 # the file name a program rendered in memory is compiled under (tracebacks name it)
 IN_MEMORY_PROGRAM = "<autopar.parallelize train.py>"
 
@@ -129,32 +120,6 @@ def model_program(plan: Plan, model: nn.Module, *, whole_logits: bool = True
 def generated_program(plan: Plan, source: dict) -> types.ModuleType:
     """The program for ``plan``, generated and loaded (what a fresh artifact's train.py is)."""
     return load_program(program_text(plan, source))
-
-
-def digest(text: str | bytes) -> str:
-    """sha256 of a file's text: the manifest records the plan's and the program's."""
-    data = text.encode() if isinstance(text, str) else text
-    return hashlib.sha256(data).hexdigest()
-
-
-def program_state(directory: str | Path, name: str | None = None) -> str:
-    """"generated" (the program, ``name`` or the manifest's, is as autopar wrote it for this
-    plan.yaml), "stale" (plan.yaml changed since: regenerate), "edited" (the program was
-    changed by hand: keep it), "missing" (no such file: regenerate)."""
-    d = Path(directory)
-    manifest = json.loads((d / "manifest.json").read_text())
-    recorded = manifest.get("program", {})
-    name = name or recorded.get("file", PROGRAM_FILE)
-    path = d / name
-    if not path.is_file():
-        return "missing"
-    if recorded.get("file", PROGRAM_FILE) != name:  # the plan's task asks for another program
-        return "stale"
-    if digest(path.read_bytes()) != recorded.get("sha256"):
-        return "edited"
-    if digest((d / "plan.yaml").read_bytes()) != recorded.get("plan_sha256"):
-        return "stale"
-    return "generated"
 
 
 class _Writer:
@@ -240,7 +205,7 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
                + ", MixedPrecisionPolicy, fully_shard")
     torch_style_imports(w, styles)
     w.blank()
-    w.line("from autopar.runtime import program as ap")
+    w.line("from autopar.parallel import program_steps as ap")
     autopar_style_imports(w, styles or {})
     w.blank()
     if source.get("kind") == "hf_config":
@@ -271,13 +236,13 @@ def torch_style_imports(w: _Writer, styles: dict[str, str] | None) -> None:
 def autopar_style_imports(w: _Writer, styles: dict[str, str]) -> None:
     """The autopar imports the tensor-parallel ``styles`` (their source text) need."""
     if _style_names(styles, "Relayout"):
-        w.line("from autopar.runtime.tensor_parallel import Relayout")
+        w.line("from autopar.parallel.tensor_parallel import Relayout")
     if _style_names(styles, "GraphParallel"):
-        w.line("from autopar.runtime.graph_tp import GraphParallel")
+        w.line("from autopar.parallel.graph_tp import GraphParallel")
     ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel",
                         "WholeKvProjection")
     if ours:
-        w.line(f"from autopar.runtime.tp_styles import {ours}")
+        w.line(f"from autopar.parallel.tp_styles import {ours}")
 
 
 def _logits_statement(w: _Writer, layout: TensorParallelLayout, layers: list[str],
@@ -471,8 +436,6 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) ->
 
 
 def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
-    from autopar.runtime.pipeline import chunk_ranges
-
     chunks = [list(c) for c in chunk_ranges(plan)]
     w.line("# pipeline: the model is traced and cut into chunks of blocks; chunk c runs on "
            "pipeline rank c % pp")

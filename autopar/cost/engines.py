@@ -54,7 +54,7 @@ The loss's memory (``loss``, bytes per logit element held at the loss's peak, be
 activations) is the engine's too, as its source computes the cross-entropy:
 
 - ``"fp32-copy"`` (``autopar``, ``llama3-4d``): an eager loss on the logits cast to fp32
-  (autopar's ``runtime/loss.py``, ``logits.float()``; torchtitan's ``cross_entropy_loss``,
+  (autopar's ``train/loss.py``, ``logits.float()``; torchtitan's ``cross_entropy_loss``,
   ``pred.flatten(0, 1).float()``): the fp32 copy and its fp32 gradient, 8 bytes.
 - ``"fp32-inplace"`` (``megatron``, ``megatron-core``, ``deepspeed``): Megatron's
   vocab-parallel cross-entropy casts its logits shard to fp32 (Megatron-LM 2021,

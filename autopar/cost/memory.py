@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from autopar.cost.engines import TORCH_FSDP_ENGINES
+from autopar.cost.offload import STATE_OFFLOADS
 from autopar.cost.precision import state_bytes
-from autopar.plan.offload import STATE_OFFLOADS
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig

@@ -1,27 +1,103 @@
-"""Training precision as the cost model prices it: model-state bytes per parameter for an
-engine, and the precision a device trains in by default.
+"""Training precision: a plan's precision record and the one dtype table (what each short
+dtype name, fp32, tf32, bf16, fp16 or fp8, is in bytes and in torch), and how the cost model
+prices it: model-state bytes per parameter for an engine, and the precision a device trains in
+by default.
 
-The precision record itself (:class:`Precision`), the dtype table and :func:`parse_precision`
-live with the plan (:mod:`autopar.plan.precision`); they are re-exported here for the cost
-model's callers. fp16 params and grads give ZeRO's 2 + 2 + 12 = 16 bytes per parameter; bf16
-with fp32 reductions gives Megatron's 2 + 4 + 12 = 18; pure fp32 gives 4 + 4 + 8 = 16.
+A plan's precision has three dtypes, as PyTorch's ``MixedPrecisionPolicy`` and Megatron name
+them: ``param`` (parameters as compute reads them: gathered and unsharded copies), ``compute``
+(matmul and attention arithmetic, and activations) and ``reduce`` (gradient reduction and the
+gradient buffer). ``loss_scaling`` is dynamic loss scaling, which fp16 needs for its narrow
+exponent range. The record lives here, below the plan, because the cost model prices it; the
+plan file records it and codegen and the runtime read it from here. Model-state bytes per
+parameter follow the mixed-precision Adam accounting of ZeRO (Rajbhandari et al., SC20) and
+Megatron-LM's distributed-optimizer table: the parameter in ``param``, the gradient in
+``reduce``, and the optimizer's fp32 master copy (when ``param`` is not fp32) plus Adam's two
+fp32 moments: fp16 params and grads give ZeRO's 2 + 2 + 12 = 16 bytes per parameter; bf16 with
+fp32 reductions gives Megatron's 2 + 4 + 12 = 18; pure fp32 gives 4 + 4 + 8 = 16.
 """
+
 
 from __future__ import annotations
 
-from autopar.cost.engines import engine_features
-from autopar.cost.hardware import DeviceSpec
-from autopar.plan.precision import (
-    ADAM_MOMENT_BYTES,
-    DTYPE_BYTES,
-    FP32,
-    MASTER_BYTES,
-    Precision,
-    parse_precision,
-)
+from dataclasses import dataclass
 
-__all__ = ["ADAM_MOMENT_BYTES", "DTYPE_BYTES", "FP32", "MASTER_BYTES", "Precision",
-           "default_precision", "parse_precision", "state_bytes"]
+from autopar.cost.engines import engine_features
+from autopar.cost.hardware import DTYPE_ALIASES, DeviceSpec
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# torch's attribute name for each dtype a plan trains in (``getattr(torch, name)``); a name,
+# not the dtype itself, so that plan/ does not import torch and generated code can print it
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ADAM_MOMENT_BYTES = 8  # two fp32 moments per trainable parameter
+MASTER_BYTES = 4  # fp32 master weights when parameters are held in a lower precision
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Parameter, compute and reduce dtypes (short names: fp32, bf16, fp16, fp8)."""
+
+    param: str
+    compute: str
+    reduce: str
+    loss_scaling: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("param", "compute", "reduce"):
+            value = DTYPE_ALIASES.get(getattr(self, field))
+            if value is None or value == "tf32":
+                raise ValueError(f"precision.{field} must be one of fp32, bf16, fp16, fp8, "
+                                 f"got {getattr(self, field)!r}")
+            object.__setattr__(self, field, value)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Adam's moments plus the fp32 master copy where parameters are held lower."""
+        master = 0 if self.param == "fp32" else MASTER_BYTES
+        return master + ADAM_MOMENT_BYTES
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation element. FP8 compute keeps activations in bf16: Transformer
+        Engine casts only the GEMM operands to FP8, inside its linears."""
+        return DTYPE_BYTES["bf16" if self.compute == "fp8" else self.compute]
+
+    def as_dict(self) -> dict:
+        """The plan file's ``precision`` mapping."""
+        return {"param": self.param, "compute": self.compute, "reduce": self.reduce,
+                "loss_scaling": self.loss_scaling}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Precision:
+        """A Precision from the plan file's ``precision`` mapping."""
+        return cls(str(d["param"]), str(d["compute"]), str(d["reduce"]),
+                   bool(d.get("loss_scaling", False)))
+
+
+FP32 = Precision("fp32", "fp32", "fp32")
+
+
+def parse_precision(value: object) -> Precision | None:
+    """A Precision from a name (``"bf16"``: bf16 params and compute, fp32 reductions;
+    ``"fp16"``: the same with loss scaling; ``"fp32"``), a mapping, or None."""
+    if value is None or isinstance(value, Precision):
+        return value
+    if isinstance(value, dict):
+        return Precision.from_dict(value)
+    name = DTYPE_ALIASES.get(str(value))
+    if name == "fp32":
+        return FP32
+    if name in ("bf16", "fp16"):
+        return Precision(name, name, "fp32", loss_scaling=name == "fp16")
+    raise ValueError(f"precision must be fp32, bf16, fp16 or a mapping with param/compute/"
+                     f"reduce, got {value!r}")
 
 
 def state_bytes(precision: Precision, engine: str) -> tuple[int, int, int, int]:

@@ -1,6 +1,6 @@
 """The recompute modes, and the op-level policy of mode ``op``: one table that the cost model
 prices (which graph ops' outputs a block keeps) and the runtime runs (the
-``create_selective_checkpoint_contexts`` policy in :mod:`autopar.runtime.parallelize`).
+``create_selective_checkpoint_contexts`` policy in :mod:`autopar.parallel.policies`).
 
 Modes, from most memory to least:
 

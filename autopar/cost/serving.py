@@ -28,14 +28,14 @@ from autopar.cost.block_cost import captured_batch, captured_float_bytes, captur
 from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.decode import block_decode_cost, decode_flops_per_token
-from autopar.cost.estimate import (
+from autopar.cost.hardware import Cluster
+from autopar.cost.stage_cost import (
     Estimate,
     StageCost,
     balanced_stages,
     min_max_partition,
     stage_cost,
 )
-from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
 
 

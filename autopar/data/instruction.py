@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.data.dataset import TokenWriter, dataset_paths, dataset_prefix
 from autopar.data.prepare import _check_inputs, _lines
 from autopar.errors import PlanError
-from autopar.runtime.dataset import TokenWriter, dataset_paths, dataset_prefix
 
 MASK_SUFFIX = ".mask"
 META_SUFFIX = ".meta.json"

@@ -1,4 +1,4 @@
-"""Tokenize text files into an autopar token dataset (the format is in autopar.runtime.dataset).
+"""Tokenize text files into an autopar token dataset (the format is in autopar.data.dataset).
 
 Inputs, read as UTF-8 (a ``.gz`` suffix is decompressed on the fly):
 
@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from autopar.data.dataset import TokenWriter, dataset_paths, dataset_prefix
 from autopar.errors import PlanError
-from autopar.runtime.dataset import TokenWriter, dataset_paths, dataset_prefix
 
 EOS = "<|endoftext|>"
 # end-of-document tokens of common tokenizers, in the order they are looked for

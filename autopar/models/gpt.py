@@ -105,7 +105,7 @@ class GPT(nn.Module):
 
     def init_module(self, module: nn.Module) -> None:
         """Initialise the parameters ``module`` owns directly, in place (the per-module rule
-        :func:`autopar.runtime.init.materialize` runs on meta-built models)."""
+        :func:`autopar.parallel.init.materialize` runs on meta-built models)."""
         _init_weights(module)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.models.hf import is_conv1d
+from autopar.peft import apply_peft
 from autopar.peft.config import PeftConfig, parse_peft
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -84,8 +85,6 @@ def load_adapter(model: nn.Module, folder: str | Path) -> PeftConfig:
     folder autopar exported, or a LoRA / Prefix Tuning adapter peft saved. Returns the
     method's settings."""
     from safetensors.torch import load_file
-
-    from autopar.peft import apply_peft
 
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():

@@ -9,6 +9,8 @@ integers from the plan reach the text: a hint may be written into generated code
 
 from __future__ import annotations
 
+from autopar.cost.hardware import load_cluster
+
 # torchrun's default rendezvous port (the c10d store listens there on the first node)
 RENDEZVOUS_PORT = 29500
 
@@ -19,8 +21,6 @@ def devices_per_node(cluster: str) -> int:
     A cluster that no longer loads (a profile YAML since moved, a renamed catalog entry) is
     taken as one node: the hint is then the single-node one, which is what ran before.
     """
-    from autopar.cost.hardware import load_cluster
-
     try:
         loaded = load_cluster(cluster)
     except Exception:  # noqa: BLE001 - a hint never fails the command it decorates

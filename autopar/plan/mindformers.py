@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
+from autopar.cost.precision import TORCH_DTYPE_NAMES
 from autopar.plan.plan import Plan
-from autopar.plan.precision import TORCH_DTYPE_NAMES
 from autopar.plan.support import refuse_op_recompute
 
 # MindFormers names dtypes as torch does: bfloat16 -> bf16, ...

@@ -81,3 +81,19 @@ class Placement:
 def parse_placements(params: dict[str, str]) -> dict[str, Placement]:
     """The records of a plan's ``placements.params`` (parameter FQN -> placement string)."""
     return {fqn: Placement.parse(text) for fqn, text in params.items()}
+
+
+def shard_dims(placements: dict[str, str], layer: str) -> dict[str, int]:
+    """The tensor-parallel shard dimension of each parameter of ``layer`` (relative names)
+    from a plan's parameter placements (``Shard(d)@tp...``)."""
+    out = {}
+    for fqn, text in placements.items():
+        if not fqn.startswith(layer + "."):
+            continue
+        placement = Placement.parse(text)
+        if placement.kv_heads:
+            raise PlanError(f"the plan places {fqn} as {text}, which a layer run from "
+                            f"its graph cannot hold (only Shard(d)@tp); re-plan with tp=1")
+        if placement.tp_dim is not None:
+            out[fqn[len(layer) + 1:]] = placement.tp_dim
+    return dict(sorted(out.items()))

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import yaml
 
+from autopar.cost.offload import STATE_OFFLOADS
+from autopar.cost.precision import FP32, Precision
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
+from autopar.peft import parse_peft
 from autopar.plan.launch import plan_launch
 from autopar.plan.model_facts import ModelFacts
-from autopar.plan.offload import STATE_OFFLOADS
 from autopar.plan.placement import Placement, parse_placements
-from autopar.plan.precision import FP32, Precision
 from autopar.plan.schema import check_plan_file
 from autopar.plan.tp_entries import validate_tp_entries
 
@@ -244,8 +245,6 @@ class Plan:
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"{where}: zero_stage must be 0-3, got {self.zero_stage}")
         if self.peft:
-            from autopar.peft import parse_peft
-
             parse_peft(dict(self.peft))  # one line naming the bad setting
         if self.precision:
             try:

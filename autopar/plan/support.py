@@ -8,15 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.engines import MEGATRON_ENGINES
+from autopar.cost.offload import STATE_OFFLOADS
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
-from autopar.plan.offload import STATE_OFFLOADS
+from autopar.errors import PlanError
 
 if TYPE_CHECKING:
     from autopar.cost.config import ParallelConfig
     from autopar.plan.plan import Plan
 
 # whether autopar's runtime runs context parallelism (cp > 1): ring and all-to-all attention on
-# Hugging Face decoders (autopar.runtime.context_parallel), not inside pipeline stages
+# Hugging Face decoders (autopar.parallel.context_parallel), not inside pipeline stages
 RUNTIME_RUNS_CP = True
 # the cp modes it runs (hybrid and allgather are priced and exported only)
 RUNTIME_CP_MODES = ("ring", "alltoall")
@@ -96,8 +97,6 @@ def refuse_op_recompute(plan: Plan, target: str) -> None:
     written for ``target`` (Megatron-LM, MindFormers, DeepSpeed), whose settings have no
     op-level policy (Megatron-Core's --recompute-modules re-runs whole modules, not every
     second matmul): no mapping would run what was priced."""
-    from autopar.errors import PlanError
-
     if "op" in plan.recompute:
         raise PlanError(f"{target} has no op-level recompute (torchtitan's policy, recompute "
                         f"'op' in this plan): re-plan with constraints recompute=selective or "
@@ -200,8 +199,6 @@ def plan_unsupported(plan: Plan) -> str | None:
 def refuse_unsupported(plan: Plan) -> None:
     """Raise PlanError (one line, the way out included) when the runtime cannot honour
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
-    from autopar.errors import PlanError
-
     cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1),
                                          plan.cp_mode, plan.mesh["pp"])
     if cp_reason is not None:

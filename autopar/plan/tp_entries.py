@@ -5,7 +5,7 @@ projection cut end to end into parts (q, k, v; gate, up) to the parts' widths, `
 attention module to [query heads, key/value heads, head size]. The runtime splits each part
 and gives each rank its local head counts from them, so an entry a hand edit broke would
 otherwise surface as an IndexError on every rank. Here: what the plan alone can show wrong
-(at load); :func:`check_against_model` in autopar.runtime.apply checks them against the model.
+(at load); :func:`check_against_model` in autopar.train.parallelize checks them against the model.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ import json
 
 from autopar.errors import PlanError
 from autopar.plan.plan import register_report_renderer
+from autopar.report.html import render_html
+from autopar.report.run import compare
+from autopar.report.sections import sections
+from autopar.report.summary import report_data
+from autopar.report.text import render_markdown, render_text
 
 FORMATS = ("text", "markdown", "html", "json")
 
@@ -16,16 +21,10 @@ FORMATS = ("text", "markdown", "html", "json")
 def render(plan, fmt: str = "text", run: dict | None = None) -> str:
     """The report of ``plan`` in ``fmt`` (one of :data:`FORMATS`); ``run``, what a run of it
     logged (:func:`autopar.report.run.load_run`), adds the measured-vs-predicted view."""
-    from autopar.report.sections import sections
-    from autopar.report.summary import report_data
-    from autopar.report.text import render_markdown, render_text
-
     if fmt not in FORMATS:
         raise PlanError(f"report format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     data = report_data(plan)
     if run is not None:
-        from autopar.report.run import compare
-
         data["run"] = compare(plan, run)
     if fmt == "json":
         return json.dumps(data, indent=2) + "\n"
@@ -34,7 +33,6 @@ def render(plan, fmt: str = "text", run: dict | None = None) -> str:
         return render_text(data["title"], secs)
     if fmt == "markdown":
         return render_markdown(data["title"], secs)
-    from autopar.report.html import render_html
 
     return render_html(plan, data, secs)
 

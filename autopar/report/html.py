@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from html import escape
 
+from autopar._version import __version__
 from autopar.plan import Plan
 from autopar.report import fmt
+from autopar.report.plots import breakdown_png, memory_png, timeline_png
+from autopar.report.run_plots import curves_png, measured_step_png
 from autopar.report.sections import Section
+from autopar.report.timeline import plan_timeline
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #222;
@@ -100,9 +104,6 @@ def _cards(d: dict) -> str:
 def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
     """One HTML file with the sections and three figures: the step's timeline per stage, the
     memory per stage against the budget, and where the step time goes (with runner-ups)."""
-    from autopar.report.plots import breakdown_png, memory_png, timeline_png
-    from autopar.report.timeline import plan_timeline
-
     segments, simulated = plan_timeline(plan)
     timeline = figure_html(
         timeline_png(plan, segments, simulated), "pipeline timeline of one step",
@@ -120,8 +121,6 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
     run = data.get("run")
     measured = ""
     if run:
-        from autopar.report.run_plots import curves_png, measured_step_png
-
         measured = figure_html(measured_step_png(run), "measured step beside the predicted one",
                                "Each stage's step as the plan predicted it and as the profiled "
                                "run spent it, term by term.")
@@ -144,8 +143,6 @@ def render_html(plan: Plan, data: dict, secs: list[Section]) -> str:
 def page_html(heading: str, subtitle: str, body: str, footer: str) -> str:
     """One self-contained page: the report's inline CSS, ``body`` (HTML), no scripts, nothing
     fetched; ``heading`` and ``subtitle`` (text) name it, ``footer`` (text) closes it."""
-    from autopar import __version__
-
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{escape(heading)}: {escape(subtitle)}</title><style>{_CSS}</style></head>"

@@ -16,7 +16,7 @@ from pathlib import Path
 from autopar.errors import PlanError
 from autopar.plan import Plan
 
-# measured step terms (autopar.runtime.trace_summary) -> the plan's term they answer to
+# measured step terms (autopar.calibrate.trace_summary) -> the plan's term they answer to
 TERMS = ("compute", "tp/ep comm (exposed)", "dp comm (exposed)", "bubble", "optimizer",
          "step", "memory")
 

@@ -7,11 +7,11 @@ says so in ``notes``.
 
 from __future__ import annotations
 
+from autopar.cost.hardware import MEMORY_RISK_FRACTION
 from autopar.plan import Plan
 from autopar.plan.support import runtime_runs_cp
 from autopar.report import fmt
 from autopar.report.fmt import MEMORY_KINDS, TIME_LABELS, TIME_TERMS
-from autopar.search.robust import MEMORY_RISK_FRACTION
 
 _ZERO = {0: "none (every data-parallel rank holds all states)",
          1: "stage 1 (optimizer states sharded over dp)",

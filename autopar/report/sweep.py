@@ -6,16 +6,40 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Protocol
 
 from autopar.errors import PlanError
+from autopar.plan import Plan
+from autopar.plan.schedule import schedule_label
 from autopar.report import fmt
+from autopar.report.html import figure_html, page_html, section_html
+from autopar.report.plots import sweep_png
 from autopar.report.sections import Section
-from autopar.search.sweep import SweepRow, schedule_label
+from autopar.report.text import render_markdown, render_text
 
 FORMATS = ("text", "markdown", "html", "json")
 _LABELS = {"zero_stage": "ZeRO", "microbatch_size": "micro-batch",
            "sequence_parallel": "sequence parallel"}
 _REASON_CHARS = 160
+
+
+
+class SweepRow(Protocol):
+    """One device budget of a sweep as the report reads it (what ``autopar.sweep`` returns:
+    :class:`autopar.search.sweep.SweepRow`). The caller hands the rows over; the report does
+    not import the search, which sits beside it on the same floor."""
+
+    devices: int
+    global_batch: int
+    plan: Plan | None
+    reason: str | None
+    changes: list[dict]
+    note: str | None
+
+    @property
+    def feasible(self) -> bool: ...
+
+    def shape(self) -> dict[str, object]: ...
 
 
 def change_label(change: dict) -> str:
@@ -164,20 +188,13 @@ def render_sweep(rows: list[SweepRow], fmt_: str = "text") -> str:
         return json.dumps(sweep_data(rows), indent=2) + "\n"
     title, secs = _title(rows), [table_section(rows), notes_section(rows)]
     if fmt_ == "text":
-        from autopar.report.text import render_text
-
         return render_text(title, secs, heading="autopar sweep")
     if fmt_ == "markdown":
-        from autopar.report.text import render_markdown
-
         return render_markdown(title, secs, heading="autopar sweep")
     return _html(rows, title, secs)
 
 
 def _html(rows: list[SweepRow], title: str, secs: list[Section]) -> str:
-    from autopar.report.html import figure_html, page_html, section_html
-    from autopar.report.plots import sweep_png
-
     figure = figure_html(
         sweep_png(rows, [[change_label(c) for c in r.changes] for r in rows]),
         "throughput, MFU and memory per device against the device budget",

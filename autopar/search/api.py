@@ -7,6 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
+from autopar.capture import capture
 from autopar.cost.config import ENGINES
 from autopar.cost.engines import engine_features
 from autopar.cost.hardware import Cluster, load_cluster
@@ -14,6 +15,7 @@ from autopar.cost.precision import default_precision
 from autopar.cost.tp_layout import vocab_parallel
 from autopar.errors import PlanError
 from autopar.ir.graph import Graph
+from autopar.peft import parse_peft
 from autopar.plan.plan import Plan, round6
 from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
@@ -21,9 +23,12 @@ from autopar.search.constraints import load_constraints
 from autopar.search.cp_rival import rival_record
 from autopar.search.placements import placements
 from autopar.search.planner import SearchResult, search
+from autopar.search.serving import max_concurrency, serving_plan_search
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
 from autopar.search.spec import PlanSpec, Progress, SearchOptions, SearchProblem
+from autopar.search.verify_cp import context_parallel_refusal
+from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
 
 TASKS = ("train", "finetune", "infer")
 
@@ -122,8 +127,6 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
                             global_batch=global_batch, pins=pins, capacity=capacity,
                             defaults=defaults, layouts=layouts)
     if task == "infer":
-        from autopar.search.serving import serving_plan_search
-
         result, global_batch = serving_plan_search(problem, spec.max_token_latency_ms,
                                                    spec.progress)
     else:
@@ -134,8 +137,6 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
                                                progress=spec.progress))
     plan = build_plan(graph, hw, devices, task, global_batch, result, capacity)
     if task == "infer":
-        from autopar.search.serving import max_concurrency
-
         plan.predicted.max_concurrency = max_concurrency(graph, hw, result.config, capacity)
     if task == "finetune":
         plan.peft = dict(graph.peft)
@@ -171,9 +172,6 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
 
 
 def _context_parallel_refusal(model: object, example_inputs: object, plan: Plan) -> str | None:
-    from autopar.search.verify_cp import context_parallel_refusal
-    from autopar.search.verify_tp import model_and_inputs
-
     if plan.mesh.get("cp", 1) == 1 or (plan.engine or "autopar") != "autopar":
         return None
     found = model_and_inputs(model, example_inputs)
@@ -182,8 +180,6 @@ def _context_parallel_refusal(model: object, example_inputs: object, plan: Plan)
 
 def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan
                              ) -> tuple[str, dict] | None:
-    from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
-
     if plan.mesh["tp"] == 1 or plan.peft:
         return None
     found = model_and_inputs(model, example_inputs)
@@ -224,8 +220,6 @@ def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, t
     seq = seq or (pins.get("model") or {}).get("seq_length")
     peft_config = None
     if peft is not None:
-        from autopar.peft import parse_peft
-
         if task != "finetune":
             raise PlanError(f"peft= trains part of the model: it needs task='finetune', not "
                             f"{task!r}")
@@ -239,7 +233,6 @@ def model_graph(model: nn.Module | str | Path | Graph, example_inputs: object, t
             raise PlanError(f"the graph was captured with a fine-tuning method: plan it with "
                             f"task='finetune', not {task!r}")
         return model
-    from autopar.capture import capture
 
     if isinstance(model, (str, Path)) and example_inputs is None:
         return capture(model, seq=seq, peft=peft_config)
@@ -301,7 +294,7 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
         "params": graph.num_params,
         "inputs": {i.name: list(i.meta.shape) for i in graph.inputs},
         # the runtime reads the training task from these (token ids or images: see
-        # autopar.runtime.task)
+        # autopar.train.task)
         "input_dtypes": {i.name: i.meta.dtype for i in graph.inputs},
         # the runtime sizes its loss from this (a plain nn.Module has no config to ask)
         "outputs": {o: list(graph.op(o).output_meta[0].shape) for o in graph.outputs

@@ -33,6 +33,10 @@ from autopar.cost.config import CP_MODES, ENGINES, OFFLOADS, SCHEDULES
 from autopar.cost.precision import parse_precision
 from autopar.cost.recompute_policy import RECOMPUTE_MODES
 from autopar.errors import PlanError
+from autopar.plan.deepspeed import constraints_from_deepspeed, is_deepspeed
+from autopar.plan.megatron import constraints_from_megatron, is_megatron
+from autopar.plan.mindformers import constraints_from_mindformers, is_mindformers
+from autopar.plan.shape import SHAPE_KEYS
 
 INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
             "virtual_stages")
@@ -74,7 +78,6 @@ def _read(spec: dict | str | Path) -> tuple[object, str, str]:
     if path.is_file() or preset.is_file():
         where = str(path if path.is_file() else preset)
         raw = Path(where).read_text()
-        from autopar.plan.megatron import is_megatron
 
         if is_megatron(raw):  # Megatron-LM arguments (a launch command), by their content
             return raw, "megatron", where
@@ -94,8 +97,6 @@ def _read(spec: dict | str | Path) -> tuple[object, str, str]:
                         f"(tp=8,pp=2) or a preset: {', '.join(preset_names())}")
     if not isinstance(data, dict):
         raise PlanError(f"{where}: expected a mapping of constraint keys")
-    from autopar.plan.deepspeed import is_deepspeed
-    from autopar.plan.mindformers import is_mindformers
 
     kind = "mindformers" if is_mindformers(data) else "deepspeed" if is_deepspeed(data) \
         else "plain"
@@ -108,16 +109,12 @@ def _translate(data: object, kind: str, named: str | None, where: str) -> dict:
     runtime's nearest)."""
     engine = named or "autopar"
     if kind == "megatron":
-        from autopar.plan.megatron import constraints_from_megatron
-
         try:
             return constraints_from_megatron(str(data), named)
         except ValueError as exc:
             raise PlanError(f"{where}: cannot read its Megatron-LM arguments ({exc})") \
                 from None
     if kind == "mindformers":
-        from autopar.plan.mindformers import constraints_from_mindformers
-
         try:
             translated = constraints_from_mindformers(data, engine)
         except ValueError as exc:
@@ -125,8 +122,6 @@ def _translate(data: object, kind: str, named: str | None, where: str) -> dict:
         # the YAML's own top-level "model" is its model section, read above
         return {**{k: v for k, v in data.items() if k in KEYS and k != "model"}, **translated}
     if kind == "deepspeed":
-        from autopar.plan.deepspeed import constraints_from_deepspeed
-
         return constraints_from_deepspeed(data)
     return data
 
@@ -190,8 +185,6 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: {key} must be true or false")
         return value
     if key == "model":
-        from autopar.plan.shape import SHAPE_KEYS
-
         if not isinstance(value, dict) or any(
                 k not in SHAPE_KEYS or not isinstance(v, int) or isinstance(v, bool) or v < 1
                 for k, v in value.items()):

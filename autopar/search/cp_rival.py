@@ -14,6 +14,7 @@ from autopar.cost.estimate import Estimate
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
 from autopar.plan.plan import round6
+from autopar.search.record import runner_up
 
 
 @dataclass
@@ -68,8 +69,6 @@ def rival_record(graph: Graph, cluster: Cluster, config: ParallelConfig, est: Es
     """For ``plan.solver["context_parallel"]``: the chosen plan's side (with or without
     context parallelism) and the other side's best plan (a runner-up entry, None when none
     fitted), its candidates over memory, and the least lower bound of those pruned."""
-    from autopar.search.record import runner_up
-
     side = rival.rival(config)
     bound = side.least_pruned_bound_s
     return {

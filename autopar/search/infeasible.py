@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Graph
+from autopar.ir.summary import human
 from autopar.plan.support import runtime_runs_cp
 from autopar.search.space import ModelFacts, divisors
 
@@ -12,8 +13,6 @@ from autopar.search.space import ModelFacts, divisors
 def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
                        capacity: float, leanest: tuple | None, rejected: dict,
                        global_batch: int, reasons: set[str] | None = None) -> str:
-    from autopar.ir.summary import human
-
     if leanest is None and rejected.get("runtime"):
         return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
                 f"can run: the constraints leave only combinations it does not support "

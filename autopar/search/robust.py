@@ -6,16 +6,12 @@ from __future__ import annotations
 
 from autopar.cost.config import ParallelConfig
 from autopar.cost.estimate import Estimate, estimate
-from autopar.cost.hardware import Cluster
+from autopar.cost.hardware import MEMORY_RISK_FRACTION, Cluster
 from autopar.ir.graph import Graph
 
 ROBUST_MARGIN = 0.03  # plans this close to the fastest compete on sensitivity
 COMM_SLOWER = 1.5  # the sensitivity checks: every collective and host transfer 1.5x slower ...
 OVERLAP_SCALE = 0.5  # ... or half of the overlap
-# a plan above this share of the usable memory risks running out: the caching allocator's
-# unusable share scatters over 6-10% of its pool between runs (meta-llama/llama-cookbook#120)
-# around the 8% the usable memory already sets aside, so the last 5% is within that scatter
-MEMORY_RISK_FRACTION = 0.95
 
 
 def sensitivity(graph: Graph, cluster: Cluster, config: ParallelConfig, task: str

@@ -23,13 +23,15 @@ from autopar.cost.block_cost import (
     captured_batch,
     captured_float_bytes,
     captured_seq,
+    resolve_precision,
 )
 from autopar.cost.config import ParallelConfig, TPLayouts
-from autopar.cost.estimate import Estimate, min_max_partition, stage_footprint
+from autopar.cost.estimate import Estimate, estimate, min_max_partition, stage_footprint
 from autopar.cost.hardware import Cluster
 from autopar.cost.serving import decode_block_times, decode_stages
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.graph import Graph
+from autopar.ir.summary import human
 from autopar.plan.support import unsupported_serving
 from autopar.search.planner import SearchResult, _distinct_alternatives
 from autopar.search.robust import robust_choice
@@ -107,8 +109,6 @@ def _configs(mesh: Mesh, global_batch: int, pins: dict, defaults: dict,
 def _best_stages(graph: Graph, cluster: Cluster, config: ParallelConfig, capacity: float
                  ) -> tuple[ParallelConfig, Estimate] | None:
     """The config with its fastest stages that fit, costed; None when no split fits."""
-    from autopar.cost.estimate import estimate
-
     if config.pp == 1:
         stages: tuple[tuple[int, int], ...] = ((0, len(graph.blocks)),)
     else:
@@ -186,9 +186,6 @@ def infeasible_serving(graph: Graph, facts: ModelFacts, cluster: Cluster, device
                        reasons: set[str]) -> str:
     """Why no serving plan fits, and what would: the leanest mesh's memory by kind and the
     most concurrent sequences (or the longest context) any mesh holds."""
-    from autopar.cost.block_cost import resolve_precision
-    from autopar.ir.summary import human
-
     context = captured_seq(graph)
     # any mesh (a concurrency its replicas divide is what the way out proposes)
     meshes = legal_meshes(facts, devices, devices, cluster.devices_per_node,

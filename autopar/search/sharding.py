@@ -26,10 +26,10 @@ from autopar.cost.comm import axis_collective_time
 from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
+from autopar.cost.precision import DTYPE_BYTES
 from autopar.cost.tp_layout import tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 from autopar.peft import is_added_param, is_prefix_param
-from autopar.plan.precision import DTYPE_BYTES
 from autopar.search.placements import fused_segments
 
 _REPLICATED_ONLY = (OpKind.NORM, OpKind.EMBEDDING, OpKind.MOE_ROUTER, OpKind.MOE_EXPERT)

@@ -13,6 +13,7 @@ from torch import nn
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.graph import Graph
 from autopar.plan import Plan
+from autopar.plan.schedule import schedule_label
 from autopar.search.api import default_global_batch, model_graph, plan
 from autopar.search.constraints import load_constraints
 
@@ -79,14 +80,6 @@ class SweepRow:
         row["changes"] = [dict(c) for c in self.changes]
         row["note"] = self.note
         return row
-
-
-def schedule_label(p: Plan) -> str:
-    """``none`` without a pipeline (a one-stage plan still records ``1f1b``), else the
-    schedule: ``1f1b``, or ``interleaved x2`` with its model chunks per device."""
-    if p.mesh["pp"] == 1:
-        return "none"
-    return p.schedule + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else "")
 
 
 def shape_changes(before: SweepRow, after: SweepRow) -> list[dict]:

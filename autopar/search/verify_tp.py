@@ -20,10 +20,11 @@ from autopar.capture.layer_graph import (
     fused_parts,
     meta_like,
     runs_from_graph,
-    shard_dims,
 )
 from autopar.errors import AutoparError
+from autopar.models.spec import is_factory, load_factory
 from autopar.plan import Plan
+from autopar.plan.placement import shard_dims
 
 
 def model_and_inputs(model: object, example_inputs: object) -> tuple[nn.Module, tuple] | None:
@@ -34,8 +35,6 @@ def model_and_inputs(model: object, example_inputs: object) -> tuple[nn.Module, 
             () if example_inputs is None else (example_inputs,))
         return model, inputs
     if isinstance(model, str):
-        from autopar.models.spec import is_factory, load_factory
-
         if is_factory(model):
             with torch.device("meta"):
                 return load_factory(model)

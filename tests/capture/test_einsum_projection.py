@@ -14,8 +14,8 @@ from autopar.capture.layer_graph import check_layer_split
 from autopar.cost import load_cluster
 from autopar.ir import OpKind
 from autopar.plan import Plan
-from autopar.runtime.apply import check_tp_entries
 from autopar.search.sharding import node_options
+from autopar.train.parallelize import check_tp_entries
 from tests.fixtures.plain_models import (
     EinsumMlp,
     FusedEinsumAttention,

@@ -141,11 +141,11 @@ def test_a_rank_exits_without_interpreter_finalization() -> None:
     exit code kept, no atexit work (where the communication threads torch still holds would
     be freed as the interpreter comes apart). One that joined none exits as any program does,
     even with WORLD_SIZE set (the CLI called in-process, as tests do)."""
-    from autopar.cost.profile_comm import free_port
+    from autopar.calibrate.profile_comm import free_port
 
     script = ("import atexit, sys\n"
               "from autopar.cli import end_process\n"
-              "from autopar.cli.common import init_process_group\n"
+              "from autopar.train.launch import init_process_group\n"
               "if sys.argv[2] == 'join':\n"
               "    init_process_group('gloo')\n"
               "atexit.register(lambda: print('finalized'))\n"

@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from autopar.artifact.swap import GENERATED, NEW_PREFIX
 from autopar.codegen import load_artifact
-from autopar.codegen.artifact_swap import GENERATED, NEW_PREFIX
-from autopar.runtime.checkpoint import latest_checkpoint
+from autopar.train.checkpoint import latest_checkpoint
 
 from .test_inspect import cli_here
 
@@ -263,7 +263,7 @@ def two_plans(tmp_path_factory) -> tuple:
 def test_a_recompile_killed_at_any_step_and_its_recovery_killed_at_any_step_lose_nothing(
         two_plans, tmp_path) -> None:
     import autopar
-    from autopar.codegen.artifact_swap import recover
+    from autopar.artifact.swap import recover
 
     model, one, two, refs = two_plans
     tried = 0
@@ -301,9 +301,9 @@ def test_a_checkpoint_save_killed_at_any_step_keeps_the_one_latest_names(tmp_pat
     import autopar
     from autopar.codegen.program import generated_program
     from autopar.models import GPT, GPTConfig, token_inputs
-    from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from autopar.runtime.source import describe_source
-    from autopar.runtime.trainer import Trainer
+    from autopar.models.source import describe_source
+    from autopar.train.checkpoint import load_checkpoint, save_checkpoint
+    from autopar.train.trainer import Trainer
 
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=2))
     plan = autopar.plan(autopar.capture(model, token_inputs(1, 16)), devices=1, global_batch=2)

@@ -54,7 +54,7 @@ def test_the_fitted_profile_predicts_the_run_it_was_fitted_to(profiled_dp2, tmp_
     for key in ("kernel_overhead_s", "matmul_by_flops"):
         assert "--from-run" in data["sources"][key]
     # one gradient bucket size says nothing apart about latency and bandwidth: no fit made
-    # up from it (tests/cost/test_fit.py recovers fits from calls of many sizes)
+    # up from it (tests/calibrate/test_fit.py recovers fits from calls of many sizes)
     assert data["calibration"]["samples"]["collective_calls"] >= 3
     assert "source" not in (data.get("collectives") or {}).get("all_reduce", {})
     cluster = load_cluster(out)  # a profile like any other: the next plan uses it

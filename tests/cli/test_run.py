@@ -107,7 +107,7 @@ def test_one_device_plans_run_under_torchrun_and_as_one_process(tmp_path, constr
 def test_two_torchrun_agents_train_as_one_job(tmp_path) -> None:
     """Two torchrun agents (``--nnodes 2``, c10d rendezvous on this machine, one process each)
     run a dp2 ZeRO-3 plan as one job, with one process's losses."""
-    from autopar.cost.profile_comm import free_port
+    from autopar.calibrate.profile_comm import free_port
 
     art = tmp_path / "art"
     made = cli_here("compile", "tiny-llama", "--devices", "2", "--seq", "32", "--global-batch",

@@ -62,7 +62,7 @@ def test_compile_infer_then_run_generate(serving, prompts) -> None:
     stopped = cli_here("run", str(art), "--prompts", str(prompts), "--max-new-tokens",
                        str(NEW), "--eos", str(eos))
     assert stopped.returncode == 0, stopped.stderr
-    from autopar.runtime.generate import new_tokens
+    from autopar.serve.generate import new_tokens
 
     cut = new_tokens(autopar.Generator("tiny-llama").generate(
         PROMPTS, max_new_tokens=NEW, eos_token_id=eos), PROMPTS, eos)
@@ -81,7 +81,7 @@ def test_plan_edits_regenerate_and_program_edits_are_kept(serving, prompts) -> N
                      "--max-new-tokens", "2")
     assert again.returncode == 0 and "regenerated" in again.stderr
     manifest = json.loads((art / "manifest.json").read_text())
-    from autopar.codegen.program import digest
+    from autopar.artifact import digest
 
     assert manifest["program"]["plan_sha256"] == digest(plan.read_bytes())
     # a hand edit runs as it is, and is said: this one always picks the least likely token

@@ -10,9 +10,8 @@ import pytest
 
 import autopar
 from autopar.codegen import compile_artifact, generate_program_text, load_program
-from autopar.runtime.source import describe_source
-
-from ..runtime.harness import run_in_group, spawn_ranks
+from autopar.models.source import describe_source
+from tests.fixtures.harness import run_in_group, spawn_ranks
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [30, 31, 32, 33, 34]]
 NEW = 12
@@ -38,7 +37,7 @@ def test_the_generation_program_states_the_plan(graph) -> None:
     assert callable(module.build_mesh) and callable(module.parallelize) and \
         callable(module.generate) and module.build_mesh("cpu") is None
 
-    from ..runtime.layouts import with_full_size_layout
+    from tests.fixtures.layouts import with_full_size_layout
 
     tp = with_full_size_layout(_plan(graph, 2, dict(tp=2, pp=1, dp=1)), "tiny-llama")
     text = generate_program_text(tp, source)
@@ -58,7 +57,7 @@ def test_the_generation_program_states_the_plan(graph) -> None:
 def _serve(directories: dict[str, str], prompts: list) -> dict[str, list]:
     """One rank: for each artifact, its own generate.py with its seed-0 weights serving this
     rank's replica's share of the prompts (every rank returns every prompt's new tokens)."""
-    from autopar.runtime.generate import serve, serving_model
+    from autopar.serve.generate import serve, serving_model
 
     tokens = {}
     for case, directory in directories.items():
@@ -84,9 +83,8 @@ CASES = {"tp2": dict(tp=2, pp=1, dp=1), "pp2": dict(pp=2, tp=1, dp=1),
 def test_the_programs_under_gloo_give_one_process_tokens(graph, tmp_path) -> None:
     """The three artifacts are served by the same 2 ranks, one after another (a rank's first
     generation pays seconds of imports)."""
-    from autopar.runtime.generate import Generator, initial_model, new_tokens
-
-    from ..runtime.layouts import with_full_size_layout
+    from autopar.serve.generate import Generator, initial_model, new_tokens
+    from tests.fixtures.layouts import with_full_size_layout
 
     plans, directories = {}, {}
     for case, pins in CASES.items():

@@ -12,7 +12,7 @@ import yaml
 
 import autopar
 from autopar.codegen import load_program, program_text
-from autopar.runtime.source import describe_source
+from autopar.models.source import describe_source
 
 from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 

@@ -9,9 +9,9 @@ import pytest
 import torch.nn.functional as F
 
 import autopar
+from autopar.data.dataset import TokenDataset
 from autopar.data.instruction import prepare_instruction
-from autopar.runtime.dataset import TokenDataset
-from autopar.runtime.source import describe_source
+from autopar.models.source import describe_source
 
 from ..cli.test_inspect import _assert_one_line_error, cli_here, run_cli
 
@@ -78,7 +78,7 @@ def test_ids_are_the_tokenizers_own_and_only_responses_are_targets(tokenizer_fol
 
 def test_the_loss_ignores_prompt_tokens(dataset) -> None:
     from autopar.codegen.program import generated_program
-    from autopar.runtime import Trainer
+    from autopar.train import Trainer
 
     prefix, _ = dataset
     plan = autopar.plan(autopar.capture("tiny-llama", seq=SEQ), devices=1, global_batch=2,

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
+from autopar.data.dataset import TokenDataset
 from autopar.data.prepare import prepare
 from autopar.errors import PlanError
-from autopar.runtime.dataset import TokenDataset
 
 WORDS = ("the quick brown fox jumps over a lazy dog while tensor pipeline and data parallel "
          "ranks train the model on tokens of every batch; gradients flow, losses fall. "

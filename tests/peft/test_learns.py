@@ -8,9 +8,9 @@ import pytest
 
 import autopar
 from autopar.codegen.program import generated_program
-from autopar.runtime import Trainer
-from autopar.runtime.dataset import TokenWriter
-from autopar.runtime.source import describe_source
+from autopar.data.dataset import TokenWriter
+from autopar.models.source import describe_source
+from autopar.train import Trainer
 
 SEQ, BATCH, STEPS = 32, 8, 20
 # (settings, learning rate): the usual rates of each method, scaled up for a 20-step run

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.runtime.source import describe_source
-
-from ..runtime.harness import run_ranks
-from ..runtime.layouts import with_full_size_layout
+from autopar.models.source import describe_source
+from tests.fixtures.harness import run_ranks
+from tests.fixtures.layouts import with_full_size_layout
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH, SEQ = 4, 4, 32
@@ -112,7 +111,7 @@ def test_adapters_round_trip_through_peft(method: str, hf_folder, tmp_path_facto
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from autopar.runtime.hf_export import export_hf
+    from autopar.serve.hf_export import export_hf
 
     from ..cli.test_inspect import run_cli
 

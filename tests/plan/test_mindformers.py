@@ -104,7 +104,7 @@ def test_a_real_mindformers_llama2_70b_yaml_runs_end_to_end(tmp_path) -> None:
 def test_the_mindformers_yaml_plans_for_autopars_runtime_and_refuses_another_model(
         tmp_path) -> None:
     # sequence parallelism inside pipeline stages runs on autopar's own runtime (a tiny twin
-    # of this file's plan equals one process: tests/runtime/test_pipeline_sequence_parallel)
+    # of this file's plan equals one process: tests/parallel/test_pipeline_sequence_parallel)
     made = cli_here("compile", "llama2-70b", "--devices", "64", "--constraints", str(REAL),
                     "--out", str(tmp_path / "a"), "-q")
     assert made.returncode == 0, made.stderr

@@ -75,7 +75,8 @@ STEPS = 2
 
 def runtime_fields(plan: Plan) -> dict:
     """What the runtime and codegen read of ``plan``: the plan file without :data:`NOT_RUNTIME`
-    (found by reading autopar/runtime, autopar/codegen and autopar/cli/run_cmd.py)."""
+    (found by reading autopar/runtime, autopar/codegen and autopar/cli/run_cmd.py, since split into
+    autopar/parallel, autopar/train, autopar/serve and autopar/train/launch.py)."""
     data = plan.to_dict()
     for key in NOT_RUNTIME:
         data.pop(key, None)
@@ -266,7 +267,7 @@ def _train_plans(source: dict, plans: list[dict], steps: int) -> list:
     same seed, each by the program autopar generates for it; its losses, or the one-line
     PlanError the runtime refused it with."""
     from autopar.codegen import load_program, program_text
-    from autopar.runtime import Trainer
+    from autopar.train import Trainer
 
     out = []
     for data in plans:
@@ -281,7 +282,7 @@ def _train_plans(source: dict, plans: list[dict], steps: int) -> list:
 
 
 def _worker(rank: int, port: int, out, source: dict, plans: list[dict], steps: int) -> None:
-    from tests.runtime.harness import run_in_group
+    from tests.fixtures.harness import run_in_group
 
     run_in_group(rank, port, out, 2, _train_plans, source, plans, steps)
 
@@ -290,7 +291,7 @@ def _train_a_sample(changed: list, failures: list[str]) -> None:
     """Train each unmutated plan and a sample of the accepted mutations that change runtime
     fields (the first :data:`TRAINED_SAMPLE` of each base: CI time), all in one gloo group, and
     compare losses: equal to their base's, or refused by the runtime in one line."""
-    from tests.runtime.harness import spawn_ranks
+    from tests.fixtures.harness import spawn_ranks
 
     by_base: dict[str, list] = {}
     for case, base, plan in changed:

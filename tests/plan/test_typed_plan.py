@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar.cost.precision import FP32, Precision
 from autopar.plan import Plan
 from autopar.plan.model_facts import BlockFacts, ModelFacts
 from autopar.plan.placement import Placement, Shard
-from autopar.plan.precision import FP32, Precision
 
 # plan.yaml files as autopar wrote them before Plan.model and the placements were typed
 # (tiny-llama pp=2 tp=2 on 4 devices, tiny-mixtral ep=2 on 2; seq 64)

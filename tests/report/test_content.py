@@ -7,11 +7,11 @@ import json
 import pytest
 import yaml
 
+from autopar.cost.hardware import MEMORY_RISK_FRACTION
 from autopar.plan import Plan
 from autopar.report import fmt
 from autopar.report.fmt import MEMORY_KINDS, TIME_TERMS
 from autopar.report.summary import report_data
-from autopar.search.robust import MEMORY_RISK_FRACTION
 
 PLANS = ("tiny_plan", "pp_plan", "llama_plan", "llama_tp8_plan")
 

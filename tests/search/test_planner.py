@@ -138,8 +138,8 @@ def test_progress_reports(llama8b) -> None:
 
 def test_search_proposes_only_what_the_runtime_runs() -> None:
     """Expert parallelism with ZeRO-1 and inside pipeline stages
-    (tests/runtime/test_expert_parallel.py) and sequence parallelism inside pipeline stages
-    (tests/runtime/test_pipeline_sequence_parallel.py) run, so none is refused; the search
+    (tests/parallel/test_expert_parallel.py) and sequence parallelism inside pipeline stages
+    (tests/parallel/test_pipeline_sequence_parallel.py) run, so none is refused; the search
     proposes an ep plan with ZeRO-1 when pinned."""
     from autopar.cost.config import ParallelConfig
     from autopar.plan.support import unsupported

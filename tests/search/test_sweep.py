@@ -25,7 +25,7 @@ def llama_rows(llama_graph):
 
 
 def test_each_row_is_the_plan_for_that_budget_alone(monkeypatch) -> None:
-    capture_module = sys.modules["autopar.capture"]  # autopar.capture is the function
+    capture_module = sys.modules["autopar.search.api"]  # where the search calls the capture
     calls = []
     real = capture_module.capture
     monkeypatch.setattr(capture_module, "capture",

@@ -1,0 +1,168 @@
+"""Context parallelism applied to a model: each of the ``cp`` ranks holds a load-balanced
+share of every sequence (:mod:`autopar.parallel.cp_layout`), runs everything token-wise on it
+as usual, and attention over the whole sequence by ring (:mod:`autopar.parallel.ring_attention`)
+or all-to-all (:mod:`autopar.parallel.alltoall_attention`) over the cp process group.
+
+Hugging Face decoders (Llama, Qwen2, Mistral, ...) get the cp attention through transformers'
+attention interface (registered under :data:`CP_ATTENTION`, selected with
+``set_attn_implementation``), and the global position ids of the rank's tokens as their
+``position_ids`` when the caller gives none, so rotary tables match one process. The loss is a
+sum over tokens: :meth:`ContextParallel.lm_loss` divides each rank's sum by the token count of
+the whole sequence, and gradients of replicated parameters are reduced over dp x cp (the
+program's ``dp_cp`` mesh), so the step equals one process's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import PlanError
+from autopar.models.gpt import GPT, Attention
+from autopar.parallel.alltoall_attention import alltoall_attention, alltoall_heads_refusal
+from autopar.parallel.cp_layout import global_positions, shard_sequence
+from autopar.parallel.cp_sdpa import hook_sdpa
+from autopar.parallel.ring_attention import ring_attention
+
+# the name the cp attention is registered under in transformers' AttentionInterface
+CP_ATTENTION = "autopar_context_parallel"
+# the attribute of each attention module (and of the model) holding its ContextParallel
+CP_ATTR = "_autopar_context_parallel"
+RUNS_MODES = ("ring", "alltoall")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in context parallelism: the cp process group, its rank in it, the
+    degree and the mode (ring | alltoall)."""
+
+    group: object
+    rank: int
+    size: int
+    mode: str
+
+    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's share of ``tensor`` (input ids, labels, ...) along the sequence."""
+        return shard_sequence(tensor, self.rank, self.size, dim)
+
+    def positions(self, local_tokens: int, device: torch.device | str) -> torch.Tensor:
+        """The global position ids (1, local_tokens) of this rank's tokens."""
+        return global_positions(local_tokens * self.size, self.rank, self.size, device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float | None = None, causal: bool = True) -> torch.Tensor:
+        """Attention over the whole sequence for this rank's queries (B, H, S/cp, D)."""
+        attend = ring_attention if self.mode == "ring" else alltoall_attention
+        return attend(q, k, v, self.group, scale=scale, causal=causal)
+
+    def mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's mean loss from each rank's loss
+        (:func:`autopar.train.loss.context_parallel_lm_loss`, detached)."""
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total / self.size
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """The ContextParallel a model (or the DDP wrapper around it) was laid out with, or None."""
+    inner = getattr(model, "module", model)
+    return getattr(model, CP_ATTR, None) or getattr(inner, CP_ATTR, None)
+
+
+def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (q, k, v as (B, H, S, D); output
+    (B, S, H, D)) running the module's context-parallel attention."""
+    cp = getattr(module, CP_ATTR, None)
+    if cp is None:
+        raise PlanError(f"{type(module).__name__} runs context-parallel attention but was not "
+                        f"laid out for it; apply the plan with autopar.parallelize")
+    if attention_mask is not None and not bool(attention_mask.all()):  # all ones: no padding
+        raise PlanError("context parallelism runs causal attention over whole sequences; a "
+                        "padding attention_mask is not supported: pass none (pack sequences "
+                        "instead of padding them)")
+    if dropout and module.training:
+        raise PlanError(f"context parallelism does not run attention dropout ({dropout}); set "
+                        f"the model's attention_dropout to 0")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = cp.attend(query, key, value, scale=scaling, causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position_ids") -> None:
+    """The model's forward gets the global position ids of this rank's tokens as keyword
+    ``name`` when the caller passes none (the model would number the local tokens from 0)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get(name) is None:
+            ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            kwargs[name] = cp.positions(ids.shape[1], ids.device)
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> ContextParallel:
+    """Lay ``model`` (a Hugging Face decoder, or autopar's GPT) out for context parallelism
+    over the process ``group`` in ``mode``: its attention becomes the cp attention, its
+    forward gets global position ids. Returns (and records on the model) this rank's
+    :class:`ContextParallel`. ``tp``: the tensor-parallel degree (all-to-all splits each tp
+    rank's heads over cp)."""
+    if mode not in RUNS_MODES:
+        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring and "
+                        f"alltoall; re-plan with constraints cp_mode=ring or alltoall")
+    if isinstance(model, GPT):
+        return _apply_to_gpt(model, group, mode, tp)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise PlanError(f"context parallelism hooks Hugging Face decoders' and autopar's GPT's "
+                        f"attention; {type(model).__name__} is neither: re-plan with "
+                        f"constraints cp=1")
+    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
+    if mode == "alltoall":
+        heads = getattr(config, "num_attention_heads", 0) // tp
+        kv = (getattr(config, "num_key_value_heads", None) or heads * tp) // tp
+        reason = alltoall_heads_refusal(heads, kv, cp.size)
+        if reason is not None:
+            raise PlanError(reason)
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CP_ATTENTION, _hf_attention)
+    model.set_attn_implementation(CP_ATTENTION)
+    tagged = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and hasattr(module, "config"):
+            setattr(module, CP_ATTR, cp)
+            tagged += 1
+    if not tagged:
+        raise PlanError(f"context parallelism found no attention module in "
+                        f"{type(model).__name__}; re-plan with constraints cp=1")
+    setattr(model, CP_ATTR, cp)
+    _give_positions(model, cp)
+    return cp
+
+
+def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int) -> ContextParallel:
+    """autopar's GPT: its attention's causal SDPA call runs the cp attention
+    (:mod:`autopar.parallel.cp_sdpa`); its learned positions read the global positions."""
+
+    if not model.cfg.fused_attention:
+        raise PlanError("context parallelism replaces the GPT's scaled_dot_product_attention "
+                        "call; this one computes attention by hand (fused_attention=False): "
+                        "set fused_attention=True or re-plan with constraints cp=1")
+    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
+    heads = model.cfg.n_heads // tp
+    reason = alltoall_heads_refusal(heads, heads, cp.size) if mode == "alltoall" else None
+    if reason is not None:
+        raise PlanError(reason)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            hook_sdpa(module, cp)
+    setattr(model, CP_ATTR, cp)
+    _give_positions(model, cp, "positions")
+    return cp

@@ -1,0 +1,257 @@
+"""The launcher of a training run: one rank of a torchrun job (or one process) from an
+artifact directory to its last line. It loads the program to run (:func:`run_program`),
+picks the device, joins the job's process group (:func:`init_process_group`), runs the
+Trainer, turns a failing rank's error into one line (:func:`failure_line`) and tears the
+groups down in order (:func:`teardown`). ``autopar run`` calls :func:`train_artifact` once its
+options are read."""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import click
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from autopar.artifact import digest, load_program, program_state
+from autopar.calibrate.profiling import StepProfiler, summary_text
+from autopar.codegen import program_file, regenerate_program
+from autopar.cost.hardware import load_cluster
+from autopar.errors import PlanError, RunFailure
+from autopar.report import fmt
+from autopar.train.checkpoint import latest_checkpoint
+from autopar.train.evaluate import evaluate, held_out_source
+from autopar.train.options import RunOptions
+from autopar.train.run_log import RunLog, archive_logs
+from autopar.train.trainer import Trainer
+
+_joined_group = False  # this process joined a torchrun job's process group
+
+
+def init_process_group(backend: str, timeout_s: int = 600) -> None:
+    """Join the job's process group (torchrun's environment; a collective fails after
+    ``timeout_s`` seconds without its peers) and remember that this process did: it then ends
+    through :func:`autopar.cli.end_process` without interpreter finalization."""
+    global _joined_group
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    _joined_group = True
+
+
+def joined_process_group() -> bool:
+    """Whether this process joined a process group (:func:`init_process_group`)."""
+    return _joined_group
+
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def device_type(cluster: str, override: str | None) -> str:
+    if override:
+        return override
+
+    try:
+        return load_cluster(cluster).device.type
+    except PlanError:  # a profile file from another machine: run where we are
+        return "cpu"
+
+
+def run_program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = ()) -> object:
+    """The program to run, as a module: DIR/train.py (DIR/generate.py for a plan of task
+    "infer") as autopar wrote it, regenerated when plan.yaml changed since (one process per
+    machine writes it), or as the user edited it (kept, and said so); refused in one line when
+    it lacks a function of ``needs``."""
+    name = program_file(plan)
+    path = Path(directory) / name
+    state = program_state(directory, name)
+    speak = int(os.environ.get("RANK", "0")) == 0
+    note = None
+    if state in ("missing", "stale"):
+        writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        text = regenerate_program(directory, plan, manifest, write=writer)
+        note = (f"{name} was missing" if state == "missing" else
+                f"plan.yaml changed since {name} was generated") + ": regenerated it"
+    else:
+        text = path.read_text()
+        if state == "edited":
+            note = (f"{path} was edited by hand: running it as it is (delete it to "
+                    f"regenerate it from plan.yaml)")
+            if digest((Path(directory) / "plan.yaml").read_bytes()) != \
+                    manifest.get("program", {}).get("plan_sha256"):
+                note += "; plan.yaml changed too, and your program may not follow it"
+    try:
+        program = load_program(text, str(path))
+    except SyntaxError as exc:
+        raise PlanError(f"{path}:{exc.lineno}: {exc.msg}; fix it, or delete it to regenerate "
+                        f"it from plan.yaml") from None
+    except Exception as exc:  # noqa: BLE001 - a hand-edited program's own error, in one line
+        raise PlanError(f"{path} fails to load ({type(exc).__name__}: {exc}); fix it, or "
+                        f"delete it to regenerate it from plan.yaml") from None
+    missing = [f for f in needs if not callable(getattr(program, f, None))]
+    if missing:
+        raise PlanError(f"{path} defines no {missing[0]}(), which autopar run calls; restore "
+                        f"it, or delete the file to regenerate it from plan.yaml")
+    if note and speak:
+        click.echo(f"autopar: {note}", err=True)
+    return program
+
+
+def train_artifact(options: RunOptions, manifest: dict, plan, *, hyper, held,
+                   window: tuple[int, int] | None) -> None:
+    """Train the artifact in ``options.directory`` (its ``manifest`` and ``plan``, loaded and
+    checked) as one rank of a torchrun job, or as one process: its program (regenerated, or
+    kept as edited), the device, the job's process group, the Trainer's run and its last line,
+    then the groups torn down in order. ``hyper``: the Hyperparameters; ``held``: the held-out
+    data (or None); ``window``: the profiled steps (or None). A lost peer or a failing step
+    ends in one :class:`RunFailure` line (:func:`failure_line`). What ``autopar run`` calls
+    once its options are read."""
+    directory, resume, training = options.directory, options.resume, options.training
+    program = run_program(directory, manifest, plan)
+    if resume and options.init_from and int(os.environ.get("RANK", "0")) == 0:
+        click.echo("autopar: --resume continues from DIR/checkpoints; --init-from is not read",
+                   err=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan.check_world_size(world)
+    _refuse_unasked_overwrite(directory, resume, bool(training["overwrite"]))
+    if not resume and int(os.environ.get("RANK", "0")) == 0:
+        # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
+        # start writing: the others wait for rank 0 in the process group's start)
+        archive_logs(Path(directory) / "logs")
+    kind = device_type(plan.cluster, options.device)
+    if kind != "cpu":  # this process's accelerator, before any collective needs it
+        if not torch.accelerator.is_available():
+            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
+                            f"accelerator; add --device cpu to run it on CPU processes")
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        init_process_group(BACKENDS[kind], options.timeout_s)
+    finished = False
+    try:
+        _train(options, manifest, plan, program, kind, world, hyper, held, window)
+        finished = True
+    finally:
+        # _train has returned: its trainer and model are unreferenced, so teardown's
+        # collection frees them (and a DDP reducer's hold on a group) before the groups go
+        teardown(world, finished)
+
+
+def _train(options: RunOptions, manifest: dict, plan, program, kind: str, world: int, hyper,
+           held, window: tuple[int, int] | None) -> None:
+    """The run between process-group start and teardown: build the trainer, train, report
+    on rank 0. A lost peer or a failing step becomes one RunFailure line."""
+    directory, steps, resume, training = options.directory, options.steps, options.resume, \
+        options.training
+    logs = Path(directory) / "logs"
+    rank = int(os.environ.get("RANK", "0"))
+    run_log = RunLog(logs, console=not training["quiet"], tensorboard=True,
+                     every=int(training["log_every"]), resume=resume) if rank == 0 else None
+    trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=options.seed,
+                      hyper=hyper, log=run_log, data=options.data,
+                      init_from=None if resume else options.init_from)
+    evaluate = _evaluator(held, trainer)  # held-out data checked before any step
+    profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
+        if window is not None else None
+    ckpt = Path(directory) / "checkpoints"
+    if resume:
+        trainer.resume(ckpt)
+    try:
+        losses = trainer.train(steps, checkpoint_dir=ckpt,
+                               checkpoint_every=options.checkpoint_every, evaluate=evaluate,
+                               eval_every=int(training["eval_every"]), profiler=profiler,
+                               keep_last=int(training["keep_last"]),
+                               final_save=bool(training["final_save"]))
+    except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+        if world == 1:
+            raise
+        raise RunFailure(failure_line(exc, trainer, plan, logs, ckpt)) from None
+    if trainer.rank == 0:
+        summary = getattr(trainer, "profile_summary", None)
+        if summary is not None:
+            click.echo(summary_text(summary))
+            click.echo(f"traces and summary in {logs / 'profile'}; compare with the plan: "
+                       f"autopar report {directory} --run")
+        click.echo(f"trained {steps} steps on {world} x {kind}: loss {losses[0]:.4f} -> "
+                   f"{losses[-1]:.4f}; log {logs / 'train.jsonl'}")
+
+
+def failure_line(exc: BaseException, trainer, plan, logs: Path, ckpt: Path) -> str:
+    """The one line a failed rank ends with: what happened at which step, the start of the
+    error, where its whole text is (DIR/logs/error-rank<N>.txt, and torchrun's error file so
+    that its summary names the root cause), and advice that fits: an out-of-memory error is
+    not fixed by resuming."""
+    rank = trainer.rank
+    full_text = "".join(traceback.format_exception(exc))
+    where = logs / f"error-rank{rank}.txt"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        where.write_text(full_text)
+    except OSError:
+        where = None
+    ErrorHandler().record_exception(exc)  # TORCHELASTIC_ERROR_FILE, when torchrun set one
+    reason = " ".join(str(exc).split())
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    oom = isinstance(exc, torch_oom()) or "out of memory" in reason.lower()
+    lost = not oom and (isinstance(exc, (dist.DistBackendError, ConnectionError)) or any(
+        word in reason.lower() for word in ("connection", "peer", "timed out", "gloo")))
+    what = ("ran out of memory" if oom else "lost its peers" if lost else "failed") + \
+        f" at step {trainer.step_index}"
+    cause = "" if oom else ("a process died or the network failed: " if lost
+                            else "an error on this rank: ")
+    whole = f"; whole error in {where}" if where is not None else ""
+    if oom:
+        predicted = plan.predicted.memory.get("total", 0.0) if plan.predicted else 0.0
+        advice = (f"the plan predicts {fmt.nbytes(predicted)} on the busiest device of "
+                  f"{fmt.nbytes(plan.memory_limit_bytes)} usable; re-plan leaner (autopar "
+                  f"compile ... --memory-limit-gb N below what this device really has, or "
+                  f"--constraints recompute=full,microbatch_size=1)")
+    else:
+        last = latest_checkpoint(ckpt)
+        advice = f"last complete checkpoint: {last or 'none'}; relaunch with --resume"
+    return f"rank {rank} {what} ({cause}{reason}){whole}; {advice}"
+
+
+def torch_oom() -> type[BaseException]:
+    """torch's out-of-memory error type (any accelerator)."""
+    return getattr(torch, "OutOfMemoryError", MemoryError)
+
+
+def _refuse_unasked_overwrite(directory: str, resume: bool, overwrite: bool) -> None:
+    """A new run (no --resume) in a directory whose checkpoints an earlier run wrote would
+    replace them step by step and move ``latest``: refused unless asked for."""
+    ckpt = Path(directory) / "checkpoints"
+    last = latest_checkpoint(ckpt)
+    if last is not None and not resume and not overwrite:
+        raise PlanError(f"{ckpt} holds {last.name} from an earlier run; pass --resume to "
+                        f"continue it, or --overwrite to start a new run (it replaces those "
+                        f"checkpoints as it saves)")
+
+
+def _evaluator(held, trainer):
+    """``evaluate(trainer)`` over the held-out data (opened and checked now), or None."""
+    if held is None:
+        return None
+
+    if trainer.task.classifies:
+        raise PlanError("--eval measures a language model's loss and perplexity on held-out "
+                        "tokens; this model is a classifier: drop --eval")
+    data = held_out_source(held, trainer.vocab)
+    return lambda t: evaluate(t, held, data)
+
+
+def teardown(world: int, finished: bool) -> None:
+    """End a finished run in order: what held the process groups is freed first (the model,
+    its DDP reducer: the caller's objects are out of scope by now), then a barrier (gloo
+    aborts a process whose peer destroys its threads mid-exchange), then every group is
+    destroyed while the interpreter is whole. A failed or interrupted run destroys nothing:
+    a peer may still be inside a collective, which a group's shutdown would wait on, and the
+    process exits next (autopar.cli.end_process) with its threads."""
+    if not finished:
+        return
+    gc.collect()
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,63 @@
+"""``autopar run``'s options as one record: what click parsed, passed on as a whole instead of
+seventeen parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """``--generate``'s options: the prompts, how to decode them, how to print them."""
+
+    prompts: str | None = None
+    tokenizer: str | None = None
+    max_new_tokens: int = 32
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | None = None
+
+    def decoding(self, seed: int) -> dict:
+        """The keyword arguments :func:`autopar.serve.generate.serve` decodes with."""
+        return dict(max_new_tokens=self.max_new_tokens, do_sample=self.sample,
+                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    eos_token_id=self.eos_token_id, seed=seed)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """One ``autopar run DIR ...``: the artifact, the run's length, data and seed, where it
+    runs, checkpoints, and (``serving``) generation. ``training`` holds the training options'
+    values as :func:`autopar.cli.train_options.training_options` names them (optimizer,
+    schedule, evaluation, profiling, console, keep_last, final_save, overwrite, timeout_s)."""
+
+    directory: str
+    steps: int = 10
+    data: str = "synthetic"
+    seed: int = 0
+    device: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    init_from: str | None = None
+    serving: bool = False
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    training: dict = field(default_factory=dict)
+
+    @property
+    def timeout_s(self) -> int:
+        """Seconds a collective may wait for its peers (``--timeout``)."""
+        return int(self.training.get("timeout_s", 600))
+
+    @classmethod
+    def from_click(cls, params: dict) -> RunOptions:
+        """The record of ``autopar run``'s parsed parameters (click's keyword names): the
+        run's own and generation's fields, the rest as ``training``."""
+        params = dict(params)
+        generation = GenerationOptions(**{name: params.pop(name)
+                                          for name in GenerationOptions.__dataclass_fields__
+                                          if name in params})
+        own = {name: params.pop(name) for name in cls.__dataclass_fields__
+               if name in params and name not in ("generation", "training")}
+        return cls(**own, generation=generation, training=params)
