@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autopar.capture.attention_hook import NOT_A_MODULE, context_parallel_refusal
 from autopar.capture.torch_capture import capture_module
 from autopar.errors import CaptureError
 from autopar.ir.blocks import assign_blocks
@@ -55,6 +56,7 @@ def capture(
                 raise CaptureError("a fine-tuning method transforms a PyTorch model, not an "
                                    "ONNX file; pass the model or its Hugging Face config")
             graph = onnx_graph(Path(text))
+            graph.context_parallel_refusal = NOT_A_MODULE
         else:
             cfg = load_config(text)
             module = build_model(cfg, device="meta")
@@ -90,7 +92,9 @@ def _adapt(module: nn.Module, peft: object) -> None:
 
 def _capture_module(module: nn.Module, args: tuple, kwargs: dict | None, cfg: dict | None) -> Graph:
     with torch.no_grad():
-        return capture_module(module, args, kwargs, cfg)
+        graph = capture_module(module, args, kwargs, cfg)
+    graph.context_parallel_refusal = context_parallel_refusal(module)
+    return graph
 
 
 __all__ = ["capture"]

@@ -156,6 +156,9 @@ class Graph:
         self.model_config = model_config or {}
         # the fine-tuning method applied before capture (autopar.peft.PeftConfig.to_dict())
         self.peft: dict = {}
+        # why autopar's runtime cannot run context parallelism on the captured model (None: it
+        # can); capture sets it from the module (autopar.capture.attention_hook)
+        self.context_parallel_refusal: str | None = None
         self.blocks: list[Block] = []
         self.dag = nx.DiGraph()
         for inp in inputs:

@@ -27,7 +27,6 @@ from autopar.search.serving import max_concurrency, serving_plan_search
 from autopar.search.sharding import solve_layouts
 from autopar.search.space import model_facts
 from autopar.search.spec import PlanSpec, Progress, SearchOptions, SearchProblem
-from autopar.search.verify_cp import context_parallel_refusal
 from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
 
 TASKS = ("train", "finetune", "infer")
@@ -115,6 +114,9 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if task == "infer" and pins.get("cp", 1) > 1:
         raise PlanError("context parallelism (cp > 1) is priced for training only; pin cp=1 "
                         "to plan serving")
+    if pins.get("cp", 1) > 1 and engine == "autopar" and facts.cp_refusal is not None:
+        raise PlanError(f"cp={pins['cp']} does not run on this model ({facts.cp_refusal}); "
+                        f"re-plan with constraints cp=1, or engine=megatron to export it")
     _check_pins(pins, facts, devices, global_batch)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
@@ -152,13 +154,6 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if result.cp_rival is not None:  # plans with and without cp were weighed: the other side
         plan.solver["context_parallel"] = rival_record(graph, hw, result.config, result.estimate,
                                                        result.cp_rival, task)
-    cp_reason = _context_parallel_refusal(model, example_inputs, plan)
-    if cp_reason is not None:  # cp does not run on this model: the best plan without it
-        if "cp" in pins:
-            raise PlanError(f"cp={pins['cp']} does not run on this model ({cp_reason}); "
-                            f"re-plan with constraints cp=1")
-        plan = plan_from_spec(replace(spec, constraints=[constraints or {}, {"cp": 1}]))
-        plan.solver["context_parallel_refused"] = cp_reason
     refusal = _tensor_parallel_refusal(model, example_inputs, plan)
     if refusal is not None:  # the layout does not run: the best plan without it
         reason, avoid = refusal
@@ -169,13 +164,6 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
         plan = plan_from_spec(replace(spec, constraints=[constraints or {}, avoid]))
         plan.solver["tensor_parallel_refused"] = reason
     return plan
-
-
-def _context_parallel_refusal(model: object, example_inputs: object, plan: Plan) -> str | None:
-    if plan.mesh.get("cp", 1) == 1 or (plan.engine or "autopar") != "autopar":
-        return None
-    found = model_and_inputs(model, example_inputs)
-    return context_parallel_refusal(found[0] if found is not None else None, plan)
 
 
 def _tensor_parallel_refusal(model: object, example_inputs: object, plan: Plan

@@ -42,6 +42,9 @@ class ModelFacts:
     # whether the layers carry a sequence (an attention reads one): sequence parallelism
     # shards the (batch, sequence, hidden) stream, which a ConvNet or an MLP does not have
     sequence_stream: bool = True
+    # why autopar's runtime cannot run cp > 1 on this model (None: it can; other engines
+    # export cp whatever the model): Graph.context_parallel_refusal, R-Drop's two passes
+    cp_refusal: str | None = None
 
     def tp_ok(self, tp: int) -> bool:
         """Whether the layers' projections split evenly over ``tp``. Heads need not divide:
@@ -112,6 +115,9 @@ def model_facts(graph: Graph) -> ModelFacts:
         trainable_params=sum(p.numel for p in trainable),
         trainable_expert_params=sum(p.numel for p in trainable if p.fqn in expert_names),
         sequence_stream=any(op.kind is OpKind.ATTENTION for op in graph.ops),
+        cp_refusal=getattr(graph, "context_parallel_refusal", None) or (
+            "R-Drop's two passes do not run with context parallelism's token-summed loss"
+            if graph.peft.get("method") == "rdrop" else None),
     )
 
 
@@ -156,6 +162,8 @@ def cp_degrees(facts: ModelFacts, devices: int, pins: dict, engine: str | None) 
     if pinned is not None:
         return [pinned]
     if not facts.sequence_stream or not facts.heads:
+        return [1]
+    if engine == "autopar" and facts.cp_refusal is not None:  # the runtime cannot swap it in
         return [1]
     return [c for c in divisors(devices) if c == 1 or facts.seq % c == 0]
 

@@ -85,6 +85,27 @@ def test_memory_forces_cp_on_a_tiny_model(tiny_long, runtime_runs_cp) -> None:
     assert "without context parallelism: nothing fits" in text
 
 
+def test_cp_only_on_models_whose_attention_the_runtime_swaps(runtime_runs_cp) -> None:
+    """A model of layers autopar does not know (a plain GPT whose attention the runtime cannot
+    swap for the cp attention): the free search keeps cp at 1 even where memory would ask for
+    it, and a pinned cp is refused in one line naming the model."""
+    from tests.fixtures.plain_models import make_gpt
+
+    model, inputs = make_gpt()
+    graph = autopar.capture(model, inputs)
+    assert graph.context_parallel_refusal is not None
+    assert autopar.capture("tiny-llama", seq=256).context_parallel_refusal is None
+    plan = autopar.plan(graph, devices=4, cluster="h100-80g", global_batch=4)
+    assert plan.mesh["cp"] == 1
+    with pytest.raises(autopar.PlanError, match="cp=2 does not run on this model"):
+        autopar.plan(graph, devices=4, cluster="h100-80g", global_batch=4,
+                     constraints={"cp": 2})
+    # another engine exports cp whatever the model's modules are
+    exported = autopar.plan(graph, devices=4, cluster="h100-80g", global_batch=4,
+                            constraints={"cp": 2, "engine": "megatron-core"})
+    assert exported.mesh["cp"] == 2
+
+
 def test_cp_competes_with_tp_for_memory(tiny_long, runtime_runs_cp) -> None:
     # free to use tp or pp too: cp is chosen only when it beats the best plan without it
     free = autopar.plan(tiny_long, devices=8, cluster="h100-80g", memory_limit_gb=0.05)
