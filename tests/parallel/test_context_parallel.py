@@ -344,3 +344,21 @@ def test_checkpoints_resume_across_cp_degrees(tmp_path) -> None:
                           steps=1, checkpoint_dir=ckpt, resume=True)
     last, _ = run_ranks(source, _llama_plan(1), steps=1, checkpoint_dir=ckpt, resume=True)
     assert first + middle + last == pytest.approx(reference, abs=1e-4)
+
+
+def test_a_cp2_checkpoint_loads_under_tp2_and_on_one_process(tmp_path) -> None:
+    """The issue's case: a checkpoint written under cp2 resumes under tp2 (the parameters
+    split by the tensor-parallel layout this time), whose checkpoint resumes on one process;
+    the losses continue one process's."""
+    from autopar.models.source import describe_source
+    from tests.fixtures.harness import run_ranks
+
+    source, ckpt = describe_source("tiny-llama"), str(tmp_path / "ckpt")
+    reference, _ = run_ranks(source, _llama_plan(1), steps=4)
+    first, _ = run_ranks(source, _llama_plan(2, cp=2, cp_mode="alltoall"), steps=2,
+                         checkpoint_dir=ckpt)
+    tp2 = _llama_plan(2, tp=2)
+    assert tp2.mesh["tp"] == 2 and tp2.mesh["cp"] == 1
+    middle, _ = run_ranks(source, tp2, steps=1, checkpoint_dir=ckpt, resume=True)
+    last, _ = run_ranks(source, _llama_plan(1), steps=1, checkpoint_dir=ckpt, resume=True)
+    assert first + middle + last == pytest.approx(reference, abs=1e-4)
