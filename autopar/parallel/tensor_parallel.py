@@ -471,7 +471,17 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
         styles[path] = StyleSpec("ColumnParallel", *parts, use_local_output=False) \
             if kind == "col" else StyleSpec("WholeKvProjection") if kind == "kv" else \
             StyleSpec("RowParallel", output_layouts=SHARD_SEQ, use_local_output=False)
+    styles.update(chunk_boundary_styles(plan, layers))
+    return _in_model_order(model, styles)
+
+
+def chunk_boundary_styles(plan: Plan, layers: list[str] | None = None) -> dict[str, StyleSpec]:
+    """Sequence parallelism in traced pipeline stages: each chunk's first layer takes its
+    sequence shard of the whole input it receives, and its last layer gathers its output back
+    whole for the next stage. ``layers``: the plan's layers (default: all of them)."""
+    layers = layer_names(plan) if layers is None else layers
     blocks = [b["name"] for b in plan.model["blocks"]]
+    styles: dict[str, StyleSpec] = {}
     for start, end in plan.chunk_ranges():
         mine = [b for b in blocks[start:end] if b in layers]
         if not mine:
@@ -483,7 +493,7 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
         else:
             styles[mine[0]] = StyleSpec("Relayout", **scatter)
             styles[mine[-1]] = StyleSpec("Relayout", **gather)
-    return _in_model_order(model, styles)
+    return styles
 
 
 def reduce_partial_grads(params) -> None:

@@ -44,9 +44,9 @@ def test_the_program_states_the_plan() -> None:
     plan = autopar.plan(graph, devices=4, global_batch=8, cluster="cpu",
                         constraints=dict(tp=2, dp=2, pp=1, zero_stage=3, recompute="full"))
     text = program_text(plan, describe_source("tiny-llama"))
-    assert "init_device_mesh(device, (1, 2, 1, 2)" in text
+    assert 'init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))' in text  # in use
     assert "reshard_after_forward=True" in text  # ZeRO-3
-    assert '"model.layers.3": "full"' in text
+    assert 'RECOMPUTE = {"transformer": "full"}' in text  # a rule by block type
     assert "parallelize_module(" in text
     split = [k for k, v in plan.placements["params"].items() if "@tp" in v]
     for fqn in split:  # every module the plan splits has its style line
@@ -95,7 +95,7 @@ def test_an_edited_plan_regenerates_the_program(tmp_path) -> None:
     assert ran.returncode == 0, ran.stderr
     assert "regenerated" in ran.stderr
     after = (art / "train.py").read_text()
-    assert after != before and '"model.layers.0": "full"' in after
+    assert after != before and 'RECOMPUTE = {"transformer": "full"}' in after
     ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu", "--overwrite")
     assert ran.returncode == 0 and "regenerated" not in ran.stderr  # now up to date
 
