@@ -23,6 +23,7 @@ from autopar.parallel.expert_zero import expert_zero_optimizer as _optimizer
 from autopar.parallel.mesh import MeshAxis
 from autopar.parallel.mesh import axis as _axis
 from autopar.parallel.mesh import single_process_mesh as _mesh
+from autopar.parallel.pipeline import TIES_ATTR
 from autopar.parallel.policies import recompute_block, use_host_cores
 from autopar.parallel.stage_experts import stage_expert_parallel as _stage
 from autopar.parallel.tensor_parallel import build_styles, chunk_boundary_styles, layer_names
@@ -61,7 +62,9 @@ def prepare_stage(stage: nn.Module, original: nn.Module, plan: Plan | list[str],
     (``plan``), or, as programs before the plan was their source wrote it, a list of leaves
     and ``fused``."""
     if isinstance(plan, Plan):
-        layout = _layout(original, plan, traced=True)
+        # the layout of the model as planned: with its ties, which the pipeline undid
+        tied, aliases = getattr(original, TIES_ATTR, (None, frozenset()))
+        layout = _layout(original, plan, traced=True, tied=tied, aliases=aliases)
         _prepare(stage, original, layout.leaves, layout.fused)
     else:
         _prepare(stage, original, plan, fused or {})

@@ -179,13 +179,15 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
     return out
 
 
-def _check_every_parameter_placed(model: nn.Module, plan: Plan) -> None:
+def _check_every_parameter_placed(model: nn.Module, plan: Plan,
+                                  aliases: set[str] | frozenset[str] = frozenset()) -> None:
     """Refuse a plan whose placements.params leaves out a parameter of ``model``: under tp
     the rest of its module's split assumes it (a projection left whole beside its split
     siblings trains different numbers, or fails inside DTensor), so a hand edit that drops one
     must not be read as "replicate it"."""
     placed = plan.placements.get("params") or {}
-    missing = [name for name, _ in model.named_parameters() if name not in placed]
+    missing = [name for name, _ in model.named_parameters()
+               if name not in placed and name not in aliases]
     if missing:
         raise PlanError(f"placements.params does not place {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -218,7 +220,8 @@ class TensorParallelLayout:
 
 
 def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False,
-                           tied: set[str] | None = None, whole_logits: bool = False
+                           tied: set[str] | None = None, whole_logits: bool = False,
+                           aliases: set[str] | frozenset[str] = frozenset()
                            ) -> TensorParallelLayout:
     """The plan's column/row/vocabulary-parallel modules (from its parameter placements), and
     Megatron sequence parallelism when ``plan.sequence_parallel``, for ``model`` (on meta).
@@ -227,9 +230,11 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     column-parallel outputs then stay DTensors so that the shapes the trace baked into its
     views stay global). ``tied`` names the tied modules (default: ``model``'s).
     ``whole_logits`` makes a column-parallel LM head gather its output (for a caller's own
-    loss) instead of leaving it split for a vocabulary-parallel loss.
+    loss) instead of leaving it split for a vocabulary-parallel loss. ``aliases``: parameters
+    of a model whose ties a pipeline undid (each alias its own copy), which the plan does not
+    place.
     """
-    _check_every_parameter_placed(model, plan)
+    _check_every_parameter_placed(model, plan, aliases)
     tied = tied_modules(model) if tied is None else tied
     graphed = graph_layers(model, plan)
     if graphed and plan.sequence_parallel:
