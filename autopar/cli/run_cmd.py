@@ -11,17 +11,17 @@ import torch
 
 from autopar.artifact import load_artifact
 from autopar.cli.generate_cmd import print_generated, read_prompts
-from autopar.cli.train_options import hyperparameters, profile_window, training_options
+from autopar.cli.train_options import training_options
 from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
 from autopar.plan.support import refuse_unsupported
 from autopar.serve.generate import check_sampling, check_servable, serve, serving_model
-from autopar.train.evaluate import HeldOut
 from autopar.train.launch import (
     BACKENDS,
     device_type,
     init_process_group,
     run_program,
+    run_settings,
     teardown,
     train_artifact,
 )
@@ -108,8 +108,7 @@ def run_cmd(**params: object) -> None:
 
 def run(options: RunOptions) -> None:
     """``autopar run`` for parsed options: serve or train the artifact."""
-    directory, steps, resume, training = options.directory, options.steps, options.resume, \
-        options.training
+    directory, resume = options.directory, options.resume
     manifest, plan = load_artifact(directory)
     refuse_unsupported(plan)  # before any program is (re)generated
     if options.serving or plan.task == "infer":
@@ -121,16 +120,7 @@ def run(options: RunOptions) -> None:
     if options.generation.prompts is not None:
         raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
                         f"with --task infer; {directory} trains (task {plan.task})")
-    hyper = hyperparameters(training)  # bad settings fail before any process group
-    if not resume:
-        hyper.with_horizon(steps)  # a warm-up longer than the run is refused here
-    window = profile_window(steps, training["profile_steps"]) if training["profile"] \
-        else None
-    held = None
-    if training["eval_source"] is not None:
-        held = HeldOut(str(training["eval_source"]), int(training["eval_batches"]))
-    elif training["eval_every"]:
-        raise PlanError("--eval-every needs --eval PATH|synthetic: the held-out data")
+    hyper, held, window = run_settings(options)  # bad settings fail before any process group
     train_artifact(options, manifest, plan, hyper=hyper, held=held, window=window)
 
 

@@ -19,23 +19,25 @@ from __future__ import annotations
 import json
 import re
 import types
+from collections import Counter
 
 from torch import nn
 
 from autopar.artifact.load import load_program
 from autopar.codegen.cp_program import (
+    CP_AXES,
+    DP_CP,
     context_parallel_mesh,
     context_parallel_statements,
-    context_parallel_table,
     dp_axis,
 )
 from autopar.cost.precision import TORCH_DTYPE_NAMES
 from autopar.models.source import build_from_source
 from autopar.parallel.expert_parallel import experts_use_ddp
-from autopar.parallel.pipeline import chunk_ranges
 from autopar.parallel.style_spec import StyleSpec
 from autopar.parallel.tensor_parallel import (
     TensorParallelLayout,
+    chunk_boundary_styles,
     layer_names,
     tensor_parallel_layout,
 )
@@ -63,7 +65,15 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     ``whole_logits``: a tensor-parallel LM head gathers its output whole on every rank, for a
     caller's own loss (``autopar.parallelize``), instead of leaving it split over the
     vocabulary for autopar's vocabulary-parallel loss (the Trainer's); the program states
-    which."""
+    which.
+
+    The program states what the plan decided as PyTorch calls, top to bottom: the mesh of
+    the axes in use, one tensor-parallel layer plan applied in a loop over the layers (and
+    the styles of the modules around them), the recompute rule by block type, the
+    data-parallel wrapper, the optimizer. What the plan lists block by block (the layers,
+    the pipeline chunks and their boundaries' relayouts, a traced stage's split leaves,
+    which layer recomputes how) is read from the plan by ``autopar.parallel.program_steps``,
+    so the program is as long for 80 layers as for 8."""
     source = source or {}
     m = plan.mesh
     layout = None
@@ -71,7 +81,6 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
         layout = tensor_parallel_layout(model, plan, traced=m["pp"] > 1,
                                         whole_logits=whole_logits)
     layers = [n for n in layer_names(plan)]
-    seq = plan.seq
     w = _Writer()
     _header(w, plan, source, model_name or type(model).__name__,
             layout.styles if layout is not None else None)
@@ -79,14 +88,9 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     if plan.peft:
         _peft(w, plan)
     if layout is not None:
-        _tensor_parallel_tables(w, layout, layers)
+        _layer_plan(w, plan, layout, layers)
         _logits_statement(w, layout, layers, whole_logits)
-    recompute = {b.name: mode for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
-                 if mode != "none" and b.is_layer}
-    w.line("# the repeated layers: each its own recompute and fully_shard unit")
-    w.line(f"LAYERS = {_list(layers)}")
-    w.line(f"RECOMPUTE = {_dict(recompute)}  # layer -> full | selective | op")
-    w.line(f"SEQ = {int(seq)}  # tokens per sequence: selective recompute spots the score tensors")
+    _recompute_rule(w, plan)
     if m["pp"] > 1:
         _pipeline(w, plan, layout)
     else:
@@ -94,13 +98,10 @@ def model_program_text(plan: Plan, model: nn.Module, *, source: dict | None = No
     _replicate(w, plan)
     _optimizer(w, plan)
     w.blank(2)
-    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
-    w.line("    import os")
-    w.line("    import sys")
-    w.blank()
-    w.line("    from autopar.cli import main")
-    w.blank()
-    w.line('    main(["run", os.path.dirname(os.path.abspath(__file__)), *sys.argv[1:]])')
+    w.line('if __name__ == "__main__":  # launched as the Run: line says; autopar run\'s options '
+           'apply')
+    w.line("    with one_line_errors():  # a bad option or input: one line, exit code 2")
+    w.line("        train_artifact(RunOptions.from_argv(__file__))")
     return w.text()
 
 
@@ -175,44 +176,44 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     if m.get("cp", 1) > 1:
         w.line(f"context parallelism: cp={m['cp']}, {plan.cp_mode} attention; each sequence cut "
                f"into {2 * m['cp']} chunks, rank i of cp holding chunks i and {2 * m['cp'] - 1}-i")
-    axes = "pp, dp, cp, ep, tp" if m.get("cp", 1) > 1 else "pp, dp, ep, tp"
-    w.line(f"mesh ({axes}) = ({', '.join(str(m[a]) for a in axes.split(', '))}), tp innermost; "
-           f"ZeRO-{plan.zero_stage}" + (f"; offload {prose('+'.join(plan.offload))}"
-                                        if plan.offload else ""))
+    axes = mesh_axes(plan)
+    w.line((f"mesh ({', '.join(axes)}) = ({', '.join(str(m[a]) for a in axes)})"
+            + (", tp innermost" if len(axes) > 1 else "") if axes else "one device")
+           + f"; ZeRO-{plan.zero_stage}" + (f"; offload {prose('+'.join(plan.offload))}"
+                                           if plan.offload else ""))
     w.line(f"batch: global {plan.global_batch} = {m['dp'] * m['ep']} data-parallel ranks x "
            f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"
            + (f"; schedule {prose(plan.schedule)}" if m["pp"] > 1 else ""))
     if predicted:
         w.line(f"predicted step time on {prose(plan.cluster)}: {predicted:.4g} s")
+    if source.get("kind") == "hf_config":
+        arch = (source["config"].get("architectures") or [model_name])[0]
+        w.line(f"the model: {prose(arch)} (transformers) from manifest.json's config, built on "
+               f"meta")
     w.blank()
     launch = plan_launch(plan.devices, plan.cluster)  # ints and fixed words only
     w.line(f"Run:  {launch} train.py --steps 100")
     if on_each_node(launch):
         w.line(f"  ({on_each_node(launch)})")
-    w.line("  (or: autopar run DIR --steps 100, under the same launcher)")
-    w.line("autopar compile and autopar run regenerate this file when plan.yaml changes; once "
-           "you edit it,")
-    w.line("autopar run keeps your edits (and says so). Delete it to regenerate.")
+    w.line("  (or: autopar run DIR --steps 100, under the same launcher; both take its options)")
+    w.line("Regenerated when plan.yaml changes; once you edit it, autopar run keeps your edits "
+           "(and says so).")
     w.line('"""')
     w.blank()
     w.line("import torch")
     if plan.devices > 1:
         w.line("from torch.distributed.device_mesh import init_device_mesh")
     if plan.data_parallel_wrapper == "fully_shard" and m["ep"] == 1:
-        offload = plan.offloads_state
-        w.line("from torch.distributed.fsdp import "
-               + ("CPUOffloadPolicy" if offload else "OffloadPolicy")
-               + ", MixedPrecisionPolicy, fully_shard")
+        names = (["CPUOffloadPolicy"] if plan.offloads_state else []) \
+            + (["MixedPrecisionPolicy"] if _mixed_precision(plan) else []) + ["fully_shard"]
+        w.line("from torch.distributed.fsdp import " + ", ".join(names))
     torch_style_imports(w, styles)
     w.blank()
     w.line("from autopar.parallel import program_steps as ap")
     autopar_style_imports(w, styles or {})
+    w.line("from autopar.train.launch import one_line_errors, train_artifact")
+    w.line("from autopar.train.options import RunOptions")
     w.blank()
-    if source.get("kind") == "hf_config":
-        arch = (source["config"].get("architectures") or [model_name])[0]
-        w.line(f"# the model: {prose(arch)} (transformers) from manifest.json's config, built "
-               f"on meta")
-        w.blank()
 
 
 def _style_names(styles: dict[str, str], *candidates: str) -> str:
@@ -287,38 +288,6 @@ def _peft(w: _Writer, plan: Plan) -> None:
     w.blank(2)
 
 
-def _mesh(w: _Writer, plan: Plan) -> None:
-    m = plan.mesh
-    shape = (m["pp"], m["dp"], m["ep"], m["tp"])
-    offload = plan.offloads_state
-    if m.get("cp", 1) > 1:
-        context_parallel_table(w, plan)
-    else:
-        w.line(f"MESH = {{\"pp\": {m['pp']}, \"dp\": {m['dp']}, \"ep\": {m['ep']}, "
-               f"\"tp\": {m['tp']}}}")
-    p = plan.training_precision
-    w.line(f"# precision: {p.compute} compute, {p.param} parameters as computed with, "
-           f"{p.reduce} gradient reductions; fp32 master weights and optimizer states")
-    w.line("AUTOCAST = " + ("None  # fp32 throughout" if p.compute == "fp32"
-                            else f"torch.{TORCH_DTYPE_NAMES[p.compute]}  # autocast's compute dtype"))
-    w.line(f"LOSS_SCALING = {p.loss_scaling}  # dynamic loss scaling (fp16's narrow range)")
-    w.blank(2)
-    if m.get("cp", 1) > 1:
-        context_parallel_mesh(w, plan)
-        return
-    w.line("def build_mesh(device):")
-    w.line('    """The named device mesh over the launched processes (tp innermost)."""')
-    if plan.devices > 1:
-        w.line(f"    return init_device_mesh(device, {shape}, "
-               "mesh_dim_names=(\"pp\", \"dp\", \"ep\", \"tp\"))")
-    elif offload:
-        w.line("    # one device, but fully_shard's offload needs a mesh: a one-rank one")
-        w.line("    return ap.single_process_mesh(device)")
-    else:
-        w.line("    return None  # one device: nothing to lay out across ranks")
-    w.blank(2)
-
-
 def _relative_styles(layout: TensorParallelLayout, layers: list[str]
                      ) -> tuple[dict[str, str] | None, dict[str, str]]:
     """(styles every layer shares, relative to the layer, or None; the other styles)."""
@@ -355,60 +324,181 @@ def _tensor_parallel_tables(w: _Writer, layout: TensorParallelLayout, layers: li
         w.line(f"FUSED_PARTS = {_dict(layout.fused)}")
 
 
-def _tp_statements(w: _Writer, target: str, shared: bool, pipeline: bool) -> None:
-    w.line(f"    # tensor parallelism over mesh[\"tp\"] ({'per stage: ' if pipeline else ''}"
-           "column/row splits, the planner's layout)")
-    w.line(f"    ap.localize_heads({target}, SPLIT_HEADS, MESH[\"tp\"])")
+def mesh_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes of the program's device mesh, outermost first (tp innermost, as the cost
+    model lays ranks out): those of more than one rank, and dp at one rank where something
+    shards over it (fully_shard's offload; the dense modules over dp x ep). None for one
+    device. Leaving size-1 axes out keeps every rank's coordinates on the others."""
+    if plan.devices == 1:
+        return ()
+    m = plan.mesh
+    needs_dp = m["ep"] > 1 or (plan.data_parallel_wrapper == "fully_shard"
+                               and m.get("cp", 1) == 1)
+    return tuple(a for a in CP_AXES if m.get(a, 1) > 1 or (a == "dp" and needs_dp))
+
+
+def _mesh(w: _Writer, plan: Plan) -> None:
+    p = plan.training_precision
+    w.line("AUTOCAST = " + ("None  # fp32 throughout" if p.compute == "fp32"
+                            else f"torch.{TORCH_DTYPE_NAMES[p.compute]}  # compute dtype; "
+                                 f"{p.param} parameters, fp32 master weights and Adam states"))
+    if p.loss_scaling:
+        w.line("LOSS_SCALING = True  # dynamic loss scaling (fp16's narrow range)")
+    w.blank(2)
+    axes = mesh_axes(plan)
+    w.line("def build_mesh(device):")
+    if not axes:
+        w.line('    """One device: ' + ("fully_shard's offload still needs a mesh, a one-rank "
+                                        'one."""' if plan.offloads_state
+                                        else 'nothing to lay out across ranks."""'))
+        w.line("    return ap.single_process_mesh(device)" if plan.offloads_state
+               else "    return None")
+        w.blank(2)
+        return
+    shape = tuple(plan.mesh[a] for a in axes)
+    names = ", ".join(f'"{a}"' for a in axes)
+    call = f"init_device_mesh(device, {shape}, mesh_dim_names=({names}{',' if len(axes) == 1 else ''}))"
+    if dp_axis(plan) == DP_CP:
+        w.line(f"    mesh = {call}")
+        context_parallel_mesh(w)
+        w.line("    return mesh")
+    else:
+        w.line(f"    return {call}")
+    w.blank(2)
+
+
+def _layer_plan(w: _Writer, plan: Plan, layout: TensorParallelLayout, layers: list[str]) -> None:
+    """LAYER_STYLES (one layer plan, applied to every layer) and MODEL_STYLES (the modules
+    around the layers). A pipeline's chunk-boundary relayouts come from the plan
+    (``ap.chunk_boundaries``), not from this table."""
+    shared, rest = _relative_styles(layout, layers)
+    boundaries = chunk_boundary_styles(plan) if layout.traced and plan.sequence_parallel \
+        else {}
+    for path, style in boundaries.items():
+        if rest.get(path) == style:
+            rest.pop(path)
+    if shared is not None:
+        w.line("# tensor parallelism: one layer plan (module paths in the layer), for every layer")
+        w.line(f"LAYER_STYLES = {_dict(shared)}")
+    note = ("  # ... and the modules around the layers" if shared is not None
+            else "  # tensor parallelism: each module's style") + (
+        " (chunk boundaries: from the plan)" if boundaries else "")
+    table = _dict(rest)
+    w.line("MODEL_STYLES = " + (table.replace("{", "{" + note, 1) if rest else table + note))
+
+
+def recompute_rule(plan: Plan) -> dict[str, str]:
+    """The plan's per-layer recompute modes as a rule: each block type's most frequent mode,
+    then the layers that differ, consecutive ones as one "prefix.A-B" range."""
+    layer_modes = [(b, mode) for b, mode in zip(plan.model.blocks, plan.recompute, strict=True)
+                   if b.is_layer]
+    rule: dict[str, str] = {}
+    for kind in dict.fromkeys(b.kind for b, _ in layer_modes):
+        rule[kind] = Counter(mode for b, mode in layer_modes if b.kind == kind).most_common(1)[0][0]
+    runs: list[tuple[str, int, int, str]] = []  # (prefix, first, last, mode); first -1: a path
+    for block, mode in layer_modes:
+        if mode == rule[block.kind]:
+            continue
+        prefix, _, index = block.name.rpartition(".")
+        if not index.isdigit():
+            runs.append((block.name, -1, -1, mode))
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == prefix and last[2] == int(index) - 1 and last[3] == mode:
+            runs[-1] = (prefix, last[1], int(index), mode)
+        else:
+            runs.append((prefix, int(index), int(index), mode))
+    for prefix, first, last, mode in runs:
+        key = prefix if first < 0 else f"{prefix}.{first}" if first == last \
+            else f"{prefix}.{first}-{last}"
+        rule[key] = mode
+    return rule
+
+
+def _recompute_rule(w: _Writer, plan: Plan) -> None:
+    rule = recompute_rule(plan)
+    w.line("# recompute (full | selective | op | none) by block type, then the layers that differ")
+    items = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in rule.items()]
+    lines, current = [], "RECOMPUTE = {"
+    for i, item in enumerate(items):
+        piece = item + ("}" if i == len(items) - 1 else ",")
+        if len(current) + len(piece) + 1 > 99 and not current.endswith("{"):
+            lines.append(current)
+            current = " " * len("RECOMPUTE = {") + piece
+        else:
+            current += ("" if current.endswith("{") else " ") + piece
+    lines.append(current)
+    for line in lines:
+        w.line(line)
+
+
+def _tp_statements(w: _Writer, plan: Plan, layout: TensorParallelLayout, target: str,
+                   shared: bool, pipeline: bool) -> None:
+    if layout.heads:
+        w.line(f"    ap.split_heads({target}, plan, mesh)  # attention runs its share of the heads")
     if pipeline:
-        w.line(f"    ap.prepare_stage({target}, original, TRACED_LEAVES, FUSED_PARTS)")
+        w.line(f"    ap.prepare_stage({target}, original, plan)  # traced: split leaves back as "
+               "modules")
     if shared:
-        w.line("    for layer in ap.present(" + target + ", LAYERS):")
+        w.line(f"    for layer in ap.layers({target}, plan):  # tensor parallelism: the layer plan")
         w.line(f"        parallelize_module({target}.get_submodule(layer), mesh[\"tp\"], "
                "LAYER_STYLES)")
-    w.line(f"    parallelize_module({target}, mesh[\"tp\"], ap.present({target}, MODEL_STYLES))")
+    boundaries = pipeline and plan.sequence_parallel and bool(chunk_boundary_styles(plan))
+    styles = "MODEL_STYLES | ap.chunk_boundaries(plan)" if boundaries else "MODEL_STYLES"
+    w.line(f"    parallelize_module({target}, mesh[\"tp\"], ap.present({target}, {styles}))")
 
 
-def _recompute_statements(w: _Writer, target: str, pipeline: bool) -> None:
-    w.line("    # recompute: full checkpoints the layer, selective its attention core only, op "
-           "keeps every other projection's and attention's outputs")
-    w.line("    for layer, mode in " + (f"ap.present({target}, RECOMPUTE)" if pipeline
-                                         else "RECOMPUTE") + ".items():")
-    w.line(f"        ap.recompute({target}, layer, mode, SEQ)")
+def _recompute_statements(w: _Writer, target: str) -> None:
+    w.line(f"    for layer, mode in ap.recompute_modes({target}, plan, RECOMPUTE).items():")
+    w.line(f"        ap.recompute({target}, layer, mode, plan.seq)  # op: torchtitan's op-level "
+           "policy")
+
+
+def _mixed_precision(plan: Plan) -> str:
+    """fully_shard's mp_policy argument, or "" for fp32 throughout (its default)."""
+    p = plan.training_precision
+    if p.param == "fp32" and p.reduce == "fp32":
+        return ""
+    return (f"MixedPrecisionPolicy(param_dtype=torch.{TORCH_DTYPE_NAMES[p.param]}, "
+            f"reduce_dtype=torch.{TORCH_DTYPE_NAMES[p.reduce]})")
 
 
 def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
     offload = plan.state_offloads
-    reshard = plan.zero_stage == 3
-    kind = plan.data_parallel_wrapper
-    if kind != "fully_shard":
+    if plan.data_parallel_wrapper != "fully_shard":
         return
-    what = {3: "each layer's parameters gathered for its forward and its backward",
-            2: "parameters kept gathered from the forward to the end of the backward"
+    what = {3: "parameters gathered again for the backward",
+            2: "parameters kept gathered through the backward"
             }.get(plan.zero_stage, "one replica, its states offloaded")
     axis = dp_axis(plan)
-    w.line(f"    # data parallelism: ZeRO-{plan.zero_stage} over mesh[\"{axis}\"] "
-           f"({plan.mesh['dp'] * plan.mesh.get('cp', 1)} ranks)")
-    w.line(f"    # fully_shard per layer: {what}")
+    w.line(f"    # ZeRO-{plan.zero_stage}: fully_shard per layer over mesh[\"{axis}\"], {what}")
+    args = [f"mesh=mesh[\"{axis}\"]", f"reshard_after_forward={plan.zero_stage == 3}"]
     if offload:
         w.line(f"    # offload ({prose('+'.join(offload))}): parameters, gradients and the optimizer "
                "step live on the host")
-        w.line("    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
         w.line("    ap.use_host_cores()  # the host's AdamW step: this rank's share of its cores")
-    else:
-        w.line("    policy = OffloadPolicy()")
-    p = plan.training_precision
-    if p.param == "fp32" and p.reduce == "fp32":
-        w.line("    mp = MixedPrecisionPolicy()  # fp32")
-    else:
-        w.line(f"    mp = MixedPrecisionPolicy(param_dtype=torch.{TORCH_DTYPE_NAMES[p.param]}, "
-               f"reduce_dtype=torch.{TORCH_DTYPE_NAMES[p.reduce]})")
-    w.line(f"    for layer in ap.present({target}, LAYERS):")
-    w.line(f"        fully_shard({target}.get_submodule(layer), mesh=mesh[\"{axis}\"], "
-           f"reshard_after_forward={reshard},")
-    w.line("                    offload_policy=policy, mp_policy=mp)")
-    w.line(f"    fully_shard({target}, mesh=mesh[\"{axis}\"], reshard_after_forward={reshard}, "
-           "offload_policy=policy,")
-    w.line("                mp_policy=mp)")
+        args.append("offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
+    if _mixed_precision(plan):
+        w.line(f"    mp = {_mixed_precision(plan)}")
+        args.append("mp_policy=mp")
+    _call_lines(w, "    fsdp = dict(", args, ")")
+    w.line(f"    for layer in ap.layers({target}, plan):")
+    w.line(f"        fully_shard({target}.get_submodule(layer), **fsdp)")
+    w.line(f"    fully_shard({target}, **fsdp)")
+
+
+def _call_lines(w: _Writer, opening: str, args: list[str], closing: str) -> None:
+    """``opening`` + ``args`` + ``closing`` wrapped at 99 columns, continued under the first
+    argument."""
+    current = opening
+    for i, arg in enumerate(args):
+        piece = arg + (closing if i == len(args) - 1 else ",")
+        if len(current) + len(piece) + 1 > 99 and not current.endswith("("):
+            w.line(current)
+            current = " " * len(opening) + piece
+        else:
+            current += ("" if current.endswith("(") else " ") + piece
+    w.line(current)
 
 
 def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
@@ -418,15 +508,15 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) ->
            'or on the')
     w.line('    weights of your model (autopar.parallelize)."""')
     if layout is not None:
-        _tp_statements(w, "model", _relative_styles(layout, layer_names(plan))[0] is not None,
-                       pipeline=False)
+        _tp_statements(w, plan, layout, "model",
+                       _relative_styles(layout, layer_names(plan))[0] is not None, pipeline=False)
     if plan.mesh["ep"] > 1:
         w.line("    # expert parallelism over mesh[\"ep\"]: each rank holds its experts; tokens "
                "travel by all-to-all")
         w.line("    experts = ap.expert_parallel(model, mesh)")
     if plan.mesh.get("cp", 1) > 1:
         context_parallel_statements(w, plan)
-    _recompute_statements(w, "model", pipeline=False)
+    _recompute_statements(w, "model")
     if plan.mesh["ep"] > 1:
         w.line("    # data parallelism: dense modules over dp x ep, experts over dp")
         w.line("    ap.shard_experts(model, mesh, plan, experts)")
@@ -436,24 +526,18 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) ->
 
 
 def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> None:
-    chunks = [list(c) for c in chunk_ranges(plan)]
-    w.line("# pipeline: the model is traced and cut into chunks of blocks; chunk c runs on "
-           "pipeline rank c % pp")
-    w.line(f"PIPELINE = {{\"chunks\": {chunks}, \"schedule\": {json.dumps(plan.schedule)}, "
-           f"\"microbatches\": {plan.num_microbatches}}}")
     w.blank(2)
     w.line("def parallelize_stage(stage, mesh, plan, original):")
-    w.line('    """Lay out one of this rank\'s pipeline stages (a traced piece of ``original``), '
-           'on meta')
-    w.line('    (autopar run) or on the weights (autopar.parallelize)."""')
+    w.line('    """Lay out a stage this rank runs: the plan\'s chunk c, traced from original, on pp '
+           'rank c % pp."""')
     if layout is not None:
-        _tp_statements(w, "stage", _relative_styles(layout, layer_names(plan))[0] is not None,
-                       pipeline=True)
+        _tp_statements(w, plan, layout, "stage",
+                       _relative_styles(layout, layer_names(plan))[0] is not None, pipeline=True)
     if plan.mesh["ep"] > 1:
         w.line("    # expert parallelism over mesh[\"ep\"]: the stage's experts back as the "
                "original modules, each rank holding its experts; tokens travel by all-to-all")
         w.line("    experts = ap.stage_expert_parallel(stage, original, mesh)")
-    _recompute_statements(w, "stage", pipeline=True)
+    _recompute_statements(w, "stage")
     if plan.mesh["ep"] > 1:
         w.line("    # data parallelism: dense modules over dp x ep, experts over dp (ZeRO-0/1: the "
                "runtime averages the gradients after each schedule step)")
@@ -464,30 +548,27 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
 
 
 def _replicate(w: _Writer, plan: Plan) -> None:
+    """``replicate`` where the model is wrapped after its weights exist (DDP, ZeRO-0/1); none
+    where parallelize already did all (fully_shard), there is one replica, or a pipeline's
+    runtime averages its stages' gradients after each schedule step."""
+    if plan.mesh["ep"] > 1:
+        body = "    return ap.replicate_experts(model, mesh, plan)"
+    elif plan.data_parallel_wrapper == "ddp" and plan.mesh["pp"] == 1:
+        body = ("    return torch.nn.parallel.DistributedDataParallel(model, "
+                f"process_group=mesh[\"{dp_axis(plan)}\"].get_group())")
+    else:
+        return
     w.blank(2)
     w.line("def replicate(model, mesh, plan):")
     w.line('    """After the weights exist: data-parallel replicas (ZeRO-0/1)."""')
-    kind = plan.data_parallel_wrapper
-    if plan.mesh["ep"] > 1:
-        w.line("    return ap.replicate_experts(model, mesh, plan)")
-    elif kind == "ddp" and plan.mesh["pp"] > 1:
-        w.line("    # pipeline stages: the runtime averages their gradients over dp after each "
-               "schedule step")
-        w.line("    return model")
-    elif kind == "ddp":
-        w.line("    return torch.nn.parallel.DistributedDataParallel(model, "
-               f"process_group=mesh[\"{dp_axis(plan)}\"].get_group())")
-    else:
-        w.line("    return model  # " + ("fully_shard already shards it" if kind == "fully_shard"
-                                          else "one replica"))
+    w.line(body)
 
 
 def _optimizer(w: _Writer, plan: Plan) -> None:
     w.blank(2)
     w.line("def build_optimizer(param_groups, mesh, hp):")
     zero1 = plan.shards_optimizer and plan.mesh["ep"] == 1
-    doc = ("hp: the run's settings (autopar run --lr, --betas, --eps); each group carries its "
-           "weight decay")
+    doc = "hp: autopar run's --lr, --betas, --eps; groups carry their weight decay"
     if plan.mesh["ep"] > 1 and plan.zero_stage == 1 and experts_use_ddp(plan):
         w.line('    """AdamW with its states sharded (ZeRO-1): the dense parameters\' over dp x ep, '
                'the experts\'')
@@ -504,5 +585,5 @@ def _optimizer(w: _Writer, plan: Plan) -> None:
         w.line(f"                                   process_group=mesh[\"{dp_axis(plan)}\"]"
                ".get_group())")
     else:
-        w.line('    """AdamW (fp32 states); ' + doc + '."""')
+        w.line('    """AdamW; ' + doc + '."""')
         w.line("    return torch.optim.AdamW(param_groups, lr=hp.lr, betas=hp.betas, eps=hp.eps)")

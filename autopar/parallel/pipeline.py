@@ -16,6 +16,7 @@ from autopar.parallel.init import InitReport, materialize
 from autopar.parallel.policies import data_parallel_kind
 from autopar.parallel.split_backward import gather_for_split_backward
 from autopar.parallel.stage_experts import check_stage_experts
+from autopar.parallel.tensor_parallel import tied_modules
 from autopar.parallel.traced_stage import drop_metadata_asserts
 from autopar.plan import Plan
 
@@ -337,12 +338,20 @@ def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,
             bucket, size = [], 0
 
 
+# the ties a model had before :func:`_untie` (tied module paths, alias parameter names): the
+# traced stages' tensor-parallel layout is the tied model's (program_steps.prepare_stage)
+TIES_ATTR = "_autopar_ties"
+
+
 def _untie(model: nn.Module) -> None:
     """Give every tied alias (an LM head sharing the embedding's weight) its own Parameter
     (on meta for a meta model) before tracing: otherwise the tracer passes the shared weight from the first
     stage to the last as an activation, which the interleaved schedules refuse (non-adjacent
     stages). The copies are initialised alike (materialize maps aliases to their owner) and
-    their gradients summed (:func:`sync_tied_grads`), so training is unchanged."""
+    their gradients summed (:func:`sync_tied_grads`), so training is unchanged. The ties are
+    recorded on ``model`` (:data:`TIES_ATTR`)."""
+    if not hasattr(model, TIES_ATTR):
+        setattr(model, TIES_ATTR, (tied_modules(model), set(tied_copies(model))))
     for alias in tied_copies(model):
         parent, _, attr = alias.rpartition(".")
         module = model.get_submodule(parent) if parent else model

@@ -179,13 +179,15 @@ def _split(model: nn.Module, plan: Plan, tied: set[str]) -> dict[str, str]:
     return out
 
 
-def _check_every_parameter_placed(model: nn.Module, plan: Plan) -> None:
+def _check_every_parameter_placed(model: nn.Module, plan: Plan,
+                                  aliases: set[str] | frozenset[str] = frozenset()) -> None:
     """Refuse a plan whose placements.params leaves out a parameter of ``model``: under tp
     the rest of its module's split assumes it (a projection left whole beside its split
     siblings trains different numbers, or fails inside DTensor), so a hand edit that drops one
     must not be read as "replicate it"."""
     placed = plan.placements.get("params") or {}
-    missing = [name for name, _ in model.named_parameters() if name not in placed]
+    missing = [name for name, _ in model.named_parameters()
+               if name not in placed and name not in aliases]
     if missing:
         raise PlanError(f"placements.params does not place {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -218,7 +220,8 @@ class TensorParallelLayout:
 
 
 def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False,
-                           tied: set[str] | None = None, whole_logits: bool = False
+                           tied: set[str] | None = None, whole_logits: bool = False,
+                           aliases: set[str] | frozenset[str] = frozenset()
                            ) -> TensorParallelLayout:
     """The plan's column/row/vocabulary-parallel modules (from its parameter placements), and
     Megatron sequence parallelism when ``plan.sequence_parallel``, for ``model`` (on meta).
@@ -227,9 +230,11 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     column-parallel outputs then stay DTensors so that the shapes the trace baked into its
     views stay global). ``tied`` names the tied modules (default: ``model``'s).
     ``whole_logits`` makes a column-parallel LM head gather its output (for a caller's own
-    loss) instead of leaving it split for a vocabulary-parallel loss.
+    loss) instead of leaving it split for a vocabulary-parallel loss. ``aliases``: parameters
+    of a model whose ties a pipeline undid (each alias its own copy), which the plan does not
+    place.
     """
-    _check_every_parameter_placed(model, plan)
+    _check_every_parameter_placed(model, plan, aliases)
     tied = tied_modules(model) if tied is None else tied
     graphed = graph_layers(model, plan)
     if graphed and plan.sequence_parallel:
@@ -471,7 +476,17 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
         styles[path] = StyleSpec("ColumnParallel", *parts, use_local_output=False) \
             if kind == "col" else StyleSpec("WholeKvProjection") if kind == "kv" else \
             StyleSpec("RowParallel", output_layouts=SHARD_SEQ, use_local_output=False)
+    styles.update(chunk_boundary_styles(plan, layers))
+    return _in_model_order(model, styles)
+
+
+def chunk_boundary_styles(plan: Plan, layers: list[str] | None = None) -> dict[str, StyleSpec]:
+    """Sequence parallelism in traced pipeline stages: each chunk's first layer takes its
+    sequence shard of the whole input it receives, and its last layer gathers its output back
+    whole for the next stage. ``layers``: the plan's layers (default: all of them)."""
+    layers = layer_names(plan) if layers is None else layers
     blocks = [b["name"] for b in plan.model["blocks"]]
+    styles: dict[str, StyleSpec] = {}
     for start, end in plan.chunk_ranges():
         mine = [b for b in blocks[start:end] if b in layers]
         if not mine:
@@ -483,7 +498,7 @@ def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[st
         else:
             styles[mine[0]] = StyleSpec("Relayout", **scatter)
             styles[mine[-1]] = StyleSpec("Relayout", **gather)
-    return _in_model_order(model, styles)
+    return styles
 
 
 def reduce_partial_grads(params) -> None:

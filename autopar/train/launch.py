@@ -7,9 +7,12 @@ options are read."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import sys
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,14 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from autopar.artifact import digest, load_program, program_state
+from autopar.artifact import digest, load_artifact, load_program, program_state
 from autopar.calibrate.profiling import StepProfiler, summary_text
 from autopar.codegen import program_file, regenerate_program
 from autopar.cost.hardware import load_cluster
-from autopar.errors import PlanError, RunFailure
+from autopar.errors import AutoparError, PlanError, RunFailure
+from autopar.plan.support import refuse_unsupported
 from autopar.report import fmt
 from autopar.train.checkpoint import latest_checkpoint
-from autopar.train.evaluate import evaluate, held_out_source
+from autopar.train.evaluate import HeldOut, evaluate, held_out_source
 from autopar.train.options import RunOptions
 from autopar.train.run_log import RunLog, archive_logs
 from autopar.train.trainer import Trainer
@@ -100,15 +104,21 @@ def run_program(directory: str, manifest: dict, plan, needs: tuple[str, ...] = (
     return program
 
 
-def train_artifact(options: RunOptions, manifest: dict, plan, *, hyper, held,
-                   window: tuple[int, int] | None) -> None:
+def train_artifact(options: RunOptions, manifest: dict | None = None, plan=None, *,
+                   hyper=None, held=None, window: tuple[int, int] | None = None) -> None:
     """Train the artifact in ``options.directory`` (its ``manifest`` and ``plan``, loaded and
     checked) as one rank of a torchrun job, or as one process: its program (regenerated, or
     kept as edited), the device, the job's process group, the Trainer's run and its last line,
     then the groups torn down in order. ``hyper``: the Hyperparameters; ``held``: the held-out
     data (or None); ``window``: the profiled steps (or None). A lost peer or a failing step
     ends in one :class:`RunFailure` line (:func:`failure_line`). What ``autopar run`` calls
-    once its options are read."""
+    once its options are read; a generated train.py run as a script calls it with
+    ``options`` alone, and the artifact and the run's settings are read here as autopar run
+    reads them."""
+    if manifest is None or plan is None:
+        manifest, plan = load_artifact(options.directory)
+        refuse_unsupported(plan)
+        hyper, held, window = run_settings(options)
     directory, resume, training = options.directory, options.resume, options.training
     program = run_program(directory, manifest, plan)
     if resume and options.init_from and int(os.environ.get("RANK", "0")) == 0:
@@ -137,6 +147,48 @@ def train_artifact(options: RunOptions, manifest: dict, plan, *, hyper, held,
         # _train has returned: its trainer and model are unreferenced, so teardown's
         # collection frees them (and a DDP reducer's hold on a group) before the groups go
         teardown(world, finished)
+
+
+def run_settings(options: RunOptions) -> tuple:
+    """(hyperparameters, held-out data or None, profiled steps or None) of a training run
+    from its options, each checked before any process group starts."""
+    from autopar.cli.train_options import hyperparameters, profile_window  # no import cycle
+
+    training = options.training
+    hyper = hyperparameters(training)
+    if not options.resume:
+        hyper.with_horizon(options.steps)  # a warm-up longer than the run is refused here
+    window = profile_window(options.steps, training["profile_steps"]) if training["profile"] \
+        else None
+    held = None
+    if training["eval_source"] is not None:
+        held = HeldOut(str(training["eval_source"]), int(training["eval_batches"]))
+    elif training["eval_every"]:
+        raise PlanError("--eval-every needs --eval PATH|synthetic: the held-out data")
+    return hyper, held, window
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Run a generated program's ``__main__`` as ``autopar run`` runs: a bad option or input
+    ends in one line on stderr and exit code 2, and the process ends as the CLI's does
+    (:func:`autopar.cli.end_process`: a rank that joined a process group leaves without
+    interpreter finalization)."""
+    from autopar.cli import end_process  # no import cycle
+    from autopar.cli.common import fail_message
+
+    code = 0
+    try:
+        yield
+    except click.UsageError as exc:
+        print(fail_message(exc.format_message(), exc.ctx), file=sys.stderr)
+        code = 2
+    except click.exceptions.Exit as exc:  # --help
+        code = exc.exit_code
+    except AutoparError as exc:
+        print(fail_message(str(exc), None), file=sys.stderr)
+        code = getattr(exc, "exit_code", 2)
+    end_process(code)
 
 
 def _train(options: RunOptions, manifest: dict, plan, program, kind: str, world: int, hyper,

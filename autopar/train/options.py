@@ -3,6 +3,8 @@ seventeen parameters."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -61,3 +63,15 @@ class RunOptions:
         own = {name: params.pop(name) for name in cls.__dataclass_fields__
                if name in params and name not in ("generation", "training")}
         return cls(**own, generation=generation, training=params)
+
+    @classmethod
+    def from_argv(cls, program: str, argv: list[str] | None = None) -> RunOptions:
+        """The record for a generated program run as a script (``torchrun DIR/train.py
+        --steps 100 ...``): the artifact is the program's directory, ``argv`` (default: the
+        script's) takes ``autopar run``'s options. A bad option raises click's UsageError."""
+        from autopar.cli.run_cmd import run_cmd  # the options' one definition
+
+        argv = sys.argv[1:] if argv is None else argv
+        directory = os.path.dirname(os.path.abspath(program))
+        context = run_cmd.make_context(os.path.basename(program), [directory, *argv])
+        return cls.from_click(context.params)

@@ -26,6 +26,7 @@ from autopar.parallel.expert_parallel import (
     sync_expert_grads,
 )
 from autopar.parallel.expert_zero import ExpertZeroOptimizer
+from autopar.parallel.mesh import axis
 from autopar.parallel.model_heads import heads_mismatch, output_features
 from autopar.parallel.pipeline import (
     average_replica_grads,
@@ -38,6 +39,7 @@ from autopar.peft import applied_method, apply_peft
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.plan.tp_entries import FIX
+from autopar.train.program_calls import pipeline_spec, replicate
 
 
 def check_module_paths(model: nn.Module, plan: Plan) -> None:
@@ -132,7 +134,7 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
         # each rank's tensors (tensor-parallel shards from rank 0, fully_shard's from each
         # rank's own copy, offload to the host) instead of leaving them to materialize
         program.parallelize(model, mesh, plan)
-        result = _with_expert_sync(program.replicate(model, mesh, plan), plan, mesh)
+        result = _with_expert_sync(replicate(program, model, mesh, plan), plan, mesh)
     setattr(result, PROGRAM_ATTR, text)
     return result
 
@@ -156,7 +158,7 @@ def _with_expert_sync(model: nn.Module, plan: Plan, mesh) -> nn.Module:
     if plan.mesh["ep"] == 1 or not isinstance(model, nn.parallel.DistributedDataParallel):
         return model
     experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-    dp_group = mesh["dp"].get_group() if plan.mesh["dp"] > 1 else None
+    dp_group = axis(mesh, "dp").group if plan.mesh["dp"] > 1 else None
     setattr(model, EXPERT_SYNC_ATTR, partial(sync_expert_grads, experts, plan, dp_group))
     setattr(model, EXPERT_DP_GROUP_ATTR, dp_group)
     return model
@@ -204,20 +206,20 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
     of this rank's stages out with the program's ``parallelize_stage``, as the Trainer
     does (there on meta)."""
     tied = tied_copies(model)
-    spec = program.PIPELINE
+    spec = pipeline_spec(program, plan)
 
     def lay_out(stage: nn.Module) -> None:
         program.parallelize_stage(stage, mesh, plan, model)
 
     _, schedule, modules = build_pipeline(
-        model, plan, mesh["pp"], device, example, loss_fn, lay_out,
+        model, plan, axis(mesh, "pp").mesh, device, example, loss_fn, lay_out,
         chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
         microbatches=spec["microbatches"])
-    dp_mesh = mesh["dp"]
-    dp_group = dp_mesh.get_group() if plan.mesh["dp"] > 1 else None
+    dp_mesh = axis(mesh, "dp").mesh  # None: the program's mesh has no dp axis
+    dp_group = axis(mesh, "dp").group if plan.mesh["dp"] > 1 else None
 
     experts = [m for s in modules for m in s.modules() if isinstance(m, ExpertParallelExperts)]
-    return Pipeline(nn.ModuleList(modules), schedule, plan, mesh["pp"].get_group(), dp_group,
+    return Pipeline(nn.ModuleList(modules), schedule, plan, axis(mesh, "pp").group, dp_group,
                     replicated_stages(plan, dp_mesh), tied, replica_group(plan, mesh, dp_group),
                     experts)
 

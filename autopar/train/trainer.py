@@ -28,6 +28,7 @@ from autopar.parallel.expert_parallel import (
     sync_expert_grads,
 )
 from autopar.parallel.init import InitReport, materialize
+from autopar.parallel.mesh import axis
 from autopar.parallel.pipeline import (
     average_replica_grads,
     build_pipeline,
@@ -52,6 +53,7 @@ from autopar.train.loss import (
 from autopar.train.loss_scale import LossScaler
 from autopar.train.optim import Hyperparameters, decay_groups, lr_at, set_lr
 from autopar.train.parallelize import check_module_paths, check_tp_entries
+from autopar.train.program_calls import pipeline_spec, replicate
 from autopar.train.run_log import RunLog
 from autopar.train.task import open_samples, training_task
 from autopar.weights.hf_weights import HFCheckpoint
@@ -167,11 +169,11 @@ class Trainer:
         self.replicated = False  # a pipeline's ZeRO-0/1 replicas (gradients all-reduced)
         # the generated program lays the model out: its mesh, then its parallelize functions
         mesh = program.build_mesh(device)
-        dp_mesh = mesh["dp"] if mesh is not None else None
+        dp_mesh = axis(mesh, "dp").mesh  # None: the program's mesh has no dp axis
         # this rank's place on each mesh axis (the profile's stages are pp coordinates)
         self.coords = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names} \
             if mesh is not None else {}
-        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        self.dp_rank = axis(mesh, "dp").local_rank
         if plan.mesh["ep"] > 1:
             self.dp_rank = data_rank(mesh)  # ep ranks read different rows too
         if plan.mesh["pp"] > 1:
@@ -182,7 +184,7 @@ class Trainer:
                                            device=self.device, weights=self.weights,
                                            constructed=self.constructed)
             # DDP broadcasts and buckets real tensors: only after materialize
-            model = program.replicate(model, mesh, plan)
+            model = replicate(program, model, mesh, plan)
         del self.constructed  # frees the CPU build, if one was made
         # context parallelism: each cp rank feeds its share of every sequence, loss summed
 
@@ -210,7 +212,7 @@ class Trainer:
         example = torch.zeros(plan.microbatch_size, *self.task.sample_shape, device="meta") \
             if self.task.classifies else \
             torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
-        spec = program.PIPELINE
+        spec = pipeline_spec(program, plan)
         loss_fn = self.loss if self.scaler is None else \
             (lambda out, target: self.loss(out, target) if self.evaluating
              else self.scaler.scale(self.loss(out, target)))
@@ -220,10 +222,10 @@ class Trainer:
             program.parallelize_stage(stage, mesh, plan, original)
 
         stages, self.pipe, modules = build_pipeline(
-            model, plan, mesh["pp"], device, example, loss_fn, lay_out,
+            model, plan, axis(mesh, "pp").mesh, device, example, loss_fn, lay_out,
             chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
             microbatches=spec["microbatches"])
-        self.pp_group = mesh["pp"].get_group()
+        self.pp_group = axis(mesh, "pp").group
         self.init_report = materialize_stages(modules, self.seed, reference, device,
                                               self.weights, self.constructed)
         for module in modules:  # the profiler sees each stage's forward as one phase

@@ -44,9 +44,9 @@ def test_the_program_states_the_plan() -> None:
     plan = autopar.plan(graph, devices=4, global_batch=8, cluster="cpu",
                         constraints=dict(tp=2, dp=2, pp=1, zero_stage=3, recompute="full"))
     text = program_text(plan, describe_source("tiny-llama"))
-    assert "init_device_mesh(device, (1, 2, 1, 2)" in text
+    assert 'init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))' in text  # in use
     assert "reshard_after_forward=True" in text  # ZeRO-3
-    assert '"model.layers.3": "full"' in text
+    assert 'RECOMPUTE = {"transformer": "full"}' in text  # a rule by block type
     assert "parallelize_module(" in text
     split = [k for k, v in plan.placements["params"].items() if "@tp" in v]
     for fqn in split:  # every module the plan splits has its style line
@@ -95,7 +95,7 @@ def test_an_edited_plan_regenerates_the_program(tmp_path) -> None:
     assert ran.returncode == 0, ran.stderr
     assert "regenerated" in ran.stderr
     after = (art / "train.py").read_text()
-    assert after != before and '"model.layers.0": "full"' in after
+    assert after != before and 'RECOMPUTE = {"transformer": "full"}' in after
     ran = run_cli("run", str(art), "--steps", "1", "--device", "cpu", "--overwrite")
     assert ran.returncode == 0 and "regenerated" not in ran.stderr  # now up to date
 
@@ -122,3 +122,34 @@ def test_no_value_from_a_plan_or_config_becomes_code() -> None:
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
         assert "open" not in calls, task
         assert "canary" not in text.replace("?canary?", ""), task
+
+
+def test_the_recompute_rule_gives_every_layer_its_planned_mode() -> None:
+    """RECOMPUTE is written as a rule (a mode per block type, the layers that differ as index
+    ranges); the program's helper expands it back to exactly the plan's per-layer modes, and
+    a key naming nothing is refused in one line."""
+    import dataclasses
+
+    from autopar.codegen.program import recompute_rule
+    from autopar.errors import PlanError
+    from autopar.models.source import build_from_source
+    from autopar.parallel import program_steps as ap
+
+    graph = autopar.capture("tiny-llama", seq=32)
+    plan = autopar.plan(graph, devices=1, global_batch=4, cluster="cpu")
+    model = build_from_source(describe_source("tiny-llama"), seed=0, device="meta")
+    for modes, rule in (
+            (["none", "none", "op", "op", "none", "none"],
+             {"transformer": "none", "model.layers.1-2": "op"}),
+            (["none", "full", "full", "selective", "full", "none"],
+             {"transformer": "full", "model.layers.2": "selective"})):
+        planned = dataclasses.replace(plan, recompute=modes)
+        assert recompute_rule(planned) == rule
+        wanted = {b.name: m for b, m in zip(planned.model.blocks, modes, strict=True)
+                  if b.is_layer and m != "none"}
+        assert ap.recompute_modes(model, planned, rule) == wanted
+        text = program_text(planned, describe_source("tiny-llama"))
+        assert "RECOMPUTE = " + json.dumps(rule) in text  # the rule, as written
+    with pytest.raises(PlanError, match="RECOMPUTE names 'model.layer.1'") as err:
+        ap.recompute_modes(model, plan, {"model.layer.1": "op"})
+    assert "\n" not in str(err.value)

@@ -203,7 +203,8 @@ def _compiled_run(plan, tmp_path, steps: int) -> tuple:
 
     out = autopar.compile("tiny-llama", None, plan, tmp_path / "art")
     program = (out / "train.py").read_text()
-    assert f"CP_MODE = \"{plan.cp_mode}\"" in program  # the program states cp: its mesh ...
+    assert '"cp"' in program.split("def build_mesh", 1)[1].split("def ", 1)[0]  # the cp axis,
+    assert "ap.context_parallel(model, mesh, plan.cp_mode)" in program  # its attention ...
     assert f"context parallelism: cp={plan.mesh['cp']}" in program  # ... and a comment line
     source = describe_source("tiny-llama")
     return spawn_ranks(_worker, plan.devices,
