@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
 import sys
-from typing import NoReturn
 
 import click
 
-from autopar.cli.common import fail_message
 from autopar.cli.compile_cmd import compile_cmd
 from autopar.cli.data_cmd import data_group
 from autopar.cli.diff_cmd import diff_cmd
@@ -23,7 +18,7 @@ from autopar.cli.report_cmd import report_cmd
 from autopar.cli.run_cmd import run_cmd
 from autopar.cli.sweep_cmd import sweep_cmd
 from autopar.errors import AutoparError
-from autopar.train.launch import joined_process_group
+from autopar.train.launch import end_process, fail_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,23 +79,3 @@ def main(argv: list[str] | None = None) -> None:
         print(fail_message(str(exc), None), file=sys.stderr)
         code = getattr(exc, "exit_code", 2)
     end_process(code or 0)
-
-
-def end_process(code: int) -> NoReturn:
-    """Exit with ``code``. A process that joined a process group (a rank of a torchrun job)
-    has ended its run by now (autopar run's teardown destroys the groups after a finished
-    run) and leaves without interpreter finalization, its output flushed first.
-
-    Why: torch keeps the device meshes in module-level caches (DTensor's sharding cache),
-    and the meshes keep the gloo/NCCL groups, so their C++ threads are still alive at exit
-    (measured: 4 gloo groups' threads per rank after destroy_process_group). A normal exit
-    frees them during finalization, where a C++ thread that needs the GIL is unwound and
-    std::terminate aborts the process ("terminate called without an active exception",
-    SIGABRT) after a run that trained every step; torchrun then reports the job failed."""
-    if joined_process_group():
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed pipe: nothing left to say
-                stream.flush()
-        logging.shutdown()
-        os._exit(code)
-    sys.exit(code)

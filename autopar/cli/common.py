@@ -15,13 +15,6 @@ from autopar.plan import Plan
 from autopar.plan.plan import write_text_atomic
 
 
-def fail_message(message: str, ctx: click.Context | None) -> str:
-    """One line: ``autopar: error: <cause and fix>``."""
-    text = " ".join(message.split())
-    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-    return f"autopar: error: {text}{hint}"
-
-
 @contextlib.contextmanager
 def progress(message: str, quiet: bool = False) -> Iterator[None]:
     """A spinner on stderr while slow work runs; silent when quiet or not on a terminal."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import sys
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import torch
@@ -31,6 +33,7 @@ from autopar.report import fmt
 from autopar.train.checkpoint import latest_checkpoint
 from autopar.train.evaluate import HeldOut, evaluate, held_out_source
 from autopar.train.options import RunOptions
+from autopar.train.run_flags import BACKENDS, hyperparameters, profile_window
 from autopar.train.run_log import RunLog, archive_logs
 from autopar.train.trainer import Trainer
 
@@ -51,7 +54,6 @@ def joined_process_group() -> bool:
     return _joined_group
 
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 def device_type(cluster: str, override: str | None) -> str:
@@ -152,8 +154,6 @@ def train_artifact(options: RunOptions, manifest: dict | None = None, plan=None,
 def run_settings(options: RunOptions) -> tuple:
     """(hyperparameters, held-out data or None, profiled steps or None) of a training run
     from its options, each checked before any process group starts."""
-    from autopar.cli.train_options import hyperparameters, profile_window  # no import cycle
-
     training = options.training
     hyper = hyperparameters(training)
     if not options.resume:
@@ -174,9 +174,6 @@ def one_line_errors() -> Iterator[None]:
     ends in one line on stderr and exit code 2, and the process ends as the CLI's does
     (:func:`autopar.cli.end_process`: a rank that joined a process group leaves without
     interpreter finalization)."""
-    from autopar.cli import end_process  # no import cycle
-    from autopar.cli.common import fail_message
-
     code = 0
     try:
         yield
@@ -307,3 +304,30 @@ def teardown(world: int, finished: bool) -> None:
     if world > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def fail_message(message: str, ctx: click.Context | None) -> str:
+    """One line: ``autopar: error: <cause and fix>``."""
+    text = " ".join(message.split())
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return f"autopar: error: {text}{hint}"
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with ``code``. A process that joined a process group (a rank of a torchrun job)
+    has ended its run by now (autopar run's teardown destroys the groups after a finished
+    run) and leaves without interpreter finalization, its output flushed first.
+
+    Why: torch keeps the device meshes in module-level caches (DTensor's sharding cache),
+    and the meshes keep the gloo/NCCL groups, so their C++ threads are still alive at exit
+    (measured: 4 gloo groups' threads per rank after destroy_process_group). A normal exit
+    frees them during finalization, where a C++ thread that needs the GIL is unwound and
+    std::terminate aborts the process ("terminate called without an active exception",
+    SIGABRT) after a run that trained every step; torchrun then reports the job failed."""
+    if joined_process_group():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed pipe: nothing left to say
+                stream.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)

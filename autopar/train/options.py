@@ -7,6 +7,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import click
+
+from autopar.train.run_flags import run_options
+
 
 @dataclass(frozen=True)
 class GenerationOptions:
@@ -32,7 +36,7 @@ class GenerationOptions:
 class RunOptions:
     """One ``autopar run DIR ...``: the artifact, the run's length, data and seed, where it
     runs, checkpoints, and (``serving``) generation. ``training`` holds the training options'
-    values as :func:`autopar.cli.train_options.training_options` names them (optimizer,
+    values as :func:`autopar.train.run_flags.training_options` names them (optimizer,
     schedule, evaluation, profiling, console, keep_last, final_save, overwrite, timeout_s)."""
 
     directory: str
@@ -69,9 +73,8 @@ class RunOptions:
         """The record for a generated program run as a script (``torchrun DIR/train.py
         --steps 100 ...``): the artifact is the program's directory, ``argv`` (default: the
         script's) takes ``autopar run``'s options. A bad option raises click's UsageError."""
-        from autopar.cli.run_cmd import run_cmd  # the options' one definition
-
         argv = sys.argv[1:] if argv is None else argv
         directory = os.path.dirname(os.path.abspath(program))
-        context = run_cmd.make_context(os.path.basename(program), [directory, *argv])
+        command = click.command("run")(run_options(lambda **params: params))
+        context = command.make_context(os.path.basename(program), [directory, *argv])
         return cls.from_click(context.params)

@@ -10,6 +10,8 @@ import click
 from autopar.errors import PlanError
 from autopar.train.optim import DECAYS, Hyperparameters
 
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # the collective backend of each device type
+
 
 def _betas(ctx, param, value: str) -> tuple[float, float]:
     try:
@@ -97,3 +99,65 @@ def profile_window(steps: int, chosen: tuple[int, int] | None) -> tuple[int, int
         raise PlanError(f"--profile-steps {chosen[0]}:{chosen[1]} reaches past this run's "
                         f"{steps} steps; lower END or raise --steps")
     return chosen
+
+
+# ``autopar run``'s own options (before the training ones): the one definition that both the
+# CLI command and a generated program run as a script (``torchrun DIR/train.py ...``) parse
+_RUN_OPTIONS = [
+    click.argument("directory", type=click.Path(file_okay=False)),
+    click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1)),
+    click.option("--data", default="synthetic", show_default=True,
+                  help="'synthetic' (deterministic random tokens; a classifier's: random "
+                       "samples and labels) or a token dataset PREFIX from `autopar data prepare`."),
+    click.option("--seed", default=0, show_default=True, type=int,
+                  help="Seeds the weights and the synthetic data (with --generate: the "
+                       "sampling draws)."),
+    click.option("--device", type=click.Choice(sorted(BACKENDS)), default=None,
+                  help="Device type [default: the plan cluster's]."),
+    click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
+                  help="Save DIR/checkpoints every N steps (and always at the end)."),
+    click.option("--keep-last", default=0, show_default=True, type=click.IntRange(min=0),
+                  help="Keep only the newest N checkpoints in DIR/checkpoints (0: keep all)."),
+    click.option("--no-final-save", "final_save", is_flag=True, default=True, flag_value=False,
+                  help="Do not save a checkpoint after the last step (--checkpoint-every still "
+                       "saves)."),
+    click.option("--overwrite", is_flag=True,
+                  help="Start a new run in a DIR whose checkpoints came from an earlier one (they "
+                       "are replaced as this run saves); without it such a run is refused."),
+    click.option("--timeout", "timeout_s", default=600, show_default=True,
+                  type=click.IntRange(min=1),
+                  help="Seconds a collective may wait for its peers before the job fails (first "
+                       "steps may compile kernels or load large checkpoints)."),
+    click.option("--resume", is_flag=True,
+                  help="Continue from the latest checkpoint in DIR/checkpoints (any plan's)."),
+    click.option("--init-from", type=click.Path(exists=True), default=None,
+                  help="Start from a Hugging Face checkpoint (a save_pretrained folder of "
+                       "safetensors): each rank reads only its slices."),
+    click.option("--generate", "serving", is_flag=True,
+                  help="Serve a generation artifact (compiled with --task infer) with its "
+                       "generate.py: the latest checkpoint's weights, else the seed-0 ones."),
+    click.option("--prompts", default=None,
+                  help="With --generate: JSONL of {\"ids\": [...]} or {\"prompt\": \"...\"} lines, "
+                       "or a text file of one prompt per line."),
+    click.option("--max-new-tokens", default=32, show_default=True, type=int,
+                  help="With --generate: new tokens per prompt, at most."),
+    click.option("--sample", is_flag=True, help="With --generate: sample instead of greedy "
+                                                 "decoding (--seed seeds the draws)."),
+    click.option("--temperature", default=1.0, show_default=True, type=float),
+    click.option("--top-k", type=int, default=None),
+    click.option("--top-p", type=float, default=None),
+    click.option("--eos", "eos_token_id", type=int, default=None,
+                  help="With --generate: the stop token id."),
+    click.option("--tokenizer", default=None,
+                  help="With --generate: a Hugging Face tokenizer folder for text prompts and "
+                       "output."),
+]
+
+
+def run_options(command: Callable) -> Callable:
+    """Decorate ``command`` with ``autopar run``'s arguments and options: the artifact
+    directory, the run's own options, generation's, then :func:`training_options`."""
+    command = training_options(command)
+    for option in reversed(_RUN_OPTIONS):
+        command = option(command)
+    return command
