@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import click
-import torch
 
 from autopar.artifact import load_artifact
 from autopar.cli.generate_cmd import print_generated, read_prompts
@@ -16,9 +15,7 @@ from autopar.errors import PlanError
 from autopar.plan.support import refuse_unsupported
 from autopar.serve.generate import check_sampling, check_servable, serve, serving_model
 from autopar.train.launch import (
-    BACKENDS,
-    device_type,
-    init_process_group,
+    join_job,
     run_program,
     run_settings,
     teardown,
@@ -101,14 +98,7 @@ def _serve(options: RunOptions, manifest: dict, plan) -> None:
     plan.check_world_size(world)
     program = run_program(directory, manifest, plan,
                           needs=("build_mesh", "parallelize", "generate"))
-    kind = device_type(plan.cluster, options.device)
-    if kind != "cpu":
-        if not torch.accelerator.is_available():
-            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
-                            f"accelerator; add --device cpu to run it on CPU processes")
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        init_process_group(BACKENDS[kind], options.timeout_s)
+    kind = join_job(plan.cluster, options.device, world, options.timeout_s)
     finished = False
     try:
         model = serving_model(directory, run_device(kind))

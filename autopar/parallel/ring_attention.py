@@ -57,6 +57,17 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.
     return s
 
 
+
+def _blocks(me: int, source: int, cp: int, chunk: int, causal: bool):
+    """The (query rows, key columns, kind) blocks rank ``me``'s two chunks attend to in the
+    keys of rank ``source``'s two chunks (``chunk`` tokens each), the skipped ones left out."""
+    for i, qc in enumerate(chunk_ids(me, cp)):
+        for j, kc in enumerate(chunk_ids(source, cp)):
+            kind = block_kind(qc, kc, causal)
+            if kind != SKIP:
+                yield (slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk),
+                       kind)
+
 class RingAttention(torch.autograd.Function):
     """Causal (or full) attention of this rank's queries against the whole sequence's keys and
     values, which travel around the cp ring. q (B, Hq, S/cp, D), k and v (B, Hkv, S/cp, D)."""
@@ -75,21 +86,15 @@ class RingAttention(torch.autograd.Function):
             ring = RingPass(kv, group) if step < cp - 1 else None  # travels while we compute
             source = (me - step) % cp
             kf, vf = (_expand(t.float(), groups) for t in kv)
-            for i, qc in enumerate(chunk_ids(me, cp)):
-                rows = slice(i * c, (i + 1) * c)
-                for j, kc in enumerate(chunk_ids(source, cp)):
-                    kind = block_kind(qc, kc, causal)
-                    if kind == SKIP:
-                        continue
-                    cols = slice(j * c, (j + 1) * c)
-                    s = _scores(qf[:, :, rows], kf[:, :, cols], scale, kind)
-                    block_lse = torch.logsumexp(s, dim=-1)
-                    block_out = torch.exp(s - block_lse.unsqueeze(-1)) @ vf[:, :, cols]
-                    new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-                    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)
-                                       .unsqueeze(-1)
-                                       + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-                    lse[:, :, rows] = new_lse
+            for rows, cols, kind in _blocks(me, source, cp, c, causal):
+                s = _scores(qf[:, :, rows], kf[:, :, cols], scale, kind)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = torch.exp(s - block_lse.unsqueeze(-1)) @ vf[:, :, cols]
+                new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
+                out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)
+                                   .unsqueeze(-1)
+                                   + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+                lse[:, :, rows] = new_lse
             if ring is not None:
                 kv = ring.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -113,20 +118,14 @@ class RingAttention(torch.autograd.Function):
             source = (me - step) % cp
             kf, vf = (_expand(t.float(), groups) for t in kv)
             dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for i, qc in enumerate(chunk_ids(me, cp)):
-                rows = slice(i * c, (i + 1) * c)
-                for j, kc in enumerate(chunk_ids(source, cp)):
-                    kind = block_kind(qc, kc, causal)
-                    if kind == SKIP:
-                        continue
-                    cols = slice(j * c, (j + 1) * c)
-                    p = torch.exp(_scores(qf[:, :, rows], kf[:, :, cols], scale, kind)
-                                  - lse[:, :, rows].unsqueeze(-1))
-                    dv[:, :, cols] += p.transpose(-1, -2) @ dout[:, :, rows]
-                    ds = p * (dout[:, :, rows] @ vf[:, :, cols].transpose(-1, -2)
-                              - delta[:, :, rows].unsqueeze(-1))
-                    dq[:, :, rows] += ds @ kf[:, :, cols] * scale
-                    dk[:, :, cols] += ds.transpose(-1, -2) @ qf[:, :, rows] * scale
+            for rows, cols, kind in _blocks(me, source, cp, c, causal):
+                p = torch.exp(_scores(qf[:, :, rows], kf[:, :, cols], scale, kind)
+                              - lse[:, :, rows].unsqueeze(-1))
+                dv[:, :, cols] += p.transpose(-1, -2) @ dout[:, :, rows]
+                ds = p * (dout[:, :, rows] @ vf[:, :, cols].transpose(-1, -2)
+                          - delta[:, :, rows].unsqueeze(-1))
+                dq[:, :, rows] += ds @ kf[:, :, cols] * scale
+                dk[:, :, cols] += ds.transpose(-1, -2) @ qf[:, :, rows] * scale
             dkv = [dkv[0] + _fold(dk, groups), dkv[1] + _fold(dv, groups)]
             if ring is not None:  # the next block is in before its gradients are sent on
                 kv = ring.wait()

@@ -133,14 +133,7 @@ def train_artifact(options: RunOptions, manifest: dict | None = None, plan=None,
         # one log per run: an earlier run's go to logs/runs/<its id> (before any rank can
         # start writing: the others wait for rank 0 in the process group's start)
         archive_logs(Path(directory) / "logs")
-    kind = device_type(plan.cluster, options.device)
-    if kind != "cpu":  # this process's accelerator, before any collective needs it
-        if not torch.accelerator.is_available():
-            raise PlanError(f"the plan is for {plan.cluster} ({kind}) but this machine has no "
-                            f"accelerator; add --device cpu to run it on CPU processes")
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        init_process_group(BACKENDS[kind], options.timeout_s)
+    kind = join_job(plan.cluster, options.device, world, options.timeout_s)
     finished = False
     try:
         _train(options, manifest, plan, program, kind, world, hyper, held, window)
@@ -149,6 +142,20 @@ def train_artifact(options: RunOptions, manifest: dict | None = None, plan=None,
         # _train has returned: its trainer and model are unreferenced, so teardown's
         # collection frees them (and a DDP reducer's hold on a group) before the groups go
         teardown(world, finished)
+
+
+def join_job(cluster: str, device: str | None, world: int, timeout_s: int) -> str:
+    """Take this process's accelerator (before any collective needs it) and join the job's
+    process group when there are peers; returns the device type the run uses."""
+    kind = device_type(cluster, device)
+    if kind != "cpu":
+        if not torch.accelerator.is_available():
+            raise PlanError(f"the plan is for {cluster} ({kind}) but this machine has no "
+                            f"accelerator; add --device cpu to run it on CPU processes")
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        init_process_group(BACKENDS[kind], timeout_s)
+    return kind
 
 
 def run_settings(options: RunOptions) -> tuple:
