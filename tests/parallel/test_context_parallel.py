@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.harness import run_in_group, spawn_ranks
+from tests.fixtures.harness import record_first_grads, run_in_group, spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -110,15 +110,7 @@ def _train_llama(world: int, plan_dict: dict | None, kind: str) -> tuple[list[fl
     assert (cp is not None) == (plan is not None)
     opt = optimizer(model, plan, lr=1e-3) if plan else \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
-    first: dict = {}
-
-    def capture(*_) -> None:  # registered last: sees the gradients the step uses
-        if not first:
-            for name, p in model.named_parameters():
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                first[name.removeprefix("module.")] = g.detach().numpy().copy()
-
-    opt.register_step_pre_hook(capture)
+    first = record_first_grads(model, opt)
     dp = plan.mesh["dp"] if plan else 1
     inner = plan.devices // dp if plan else 1  # ranks per data-parallel replica
     mine = dist.get_rank() // inner if plan else 0

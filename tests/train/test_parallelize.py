@@ -7,7 +7,7 @@ import pytest
 
 import autopar
 from autopar.models import GPT, GPTConfig, token_inputs
-from tests.fixtures.harness import run_in_group, spawn_ranks
+from tests.fixtures.harness import record_first_grads, run_in_group, spawn_ranks
 
 pytestmark = pytest.mark.dist
 CFG = dict(vocab_size=128, seq_len=32, d_model=64, n_layers=4, n_heads=4)
@@ -106,15 +106,7 @@ def _train_moe(world: int, plan_dict: dict | None) -> tuple[list[float], dict, s
         model = autopar.parallelize(model, plan)
     opt = optimizer(model, plan, lr=1e-2) if plan else \
         torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first: dict = {}
-
-    def capture(*_) -> None:  # registered last: sees the gradients the step uses
-        if not first:
-            for name, p in model.named_parameters():
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                first[name.removeprefix("module.")] = g.detach().numpy().copy()
-
-    opt.register_step_pre_hook(capture)
+    first = record_first_grads(model, opt)
     replicas = plan.mesh["dp"] * plan.mesh["ep"] if plan else 1
     mine = dist.get_rank() // plan.mesh["tp"] if plan else 0
     losses = []
