@@ -172,7 +172,12 @@ def symbolic_graph(model: nn.Module, args: tuple, model_config: dict | None) -> 
     params, param_canon = param_table(model)
     buffers, buffer_canon = buffer_table(model)
     tracer = _InlineTracer()
-    graph = tracer.trace(model)
+    # parameters the example leaves out keep their defaults as constants: a proxy for an optional
+    # input (``positions=None``) would send the trace down the branch for a given tensor
+    params_in_order = list(inspect.signature(model.forward).parameters.values())[len(args):]
+    concrete = {p.name: p.default for p in params_in_order
+                if p.default is not inspect.Parameter.empty}
+    graph = tracer.trace(model, concrete_args=concrete or None)
     gm = fx.GraphModule(model, graph)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]

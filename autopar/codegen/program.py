@@ -184,6 +184,9 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     w.line(f"batch: global {plan.global_batch} = {m['dp'] * m['ep']} data-parallel ranks x "
            f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"
            + (f"; schedule {prose(plan.schedule)}" if m["pp"] > 1 else ""))
+    if m["pp"] > 1:  # ints only: which blocks each stage holds, as the runtime cuts them
+        chunks = [[int(a), int(b)] for a, b in plan.chunk_ranges()]
+        w.line(f"pipeline chunks (blocks [start, end), chunk c on pp rank c % pp): {chunks}")
     if predicted:
         w.line(f"predicted step time on {prose(plan.cluster)}: {predicted:.4g} s")
     if source.get("kind") == "hf_config":

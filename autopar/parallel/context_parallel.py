@@ -138,6 +138,11 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> C
     for module in model.modules():
         if type(module).__name__.endswith("Attention") and hasattr(module, "config"):
             setattr(module, CP_ATTR, cp)
+            own = module.config
+            if own is not model.config and own._attn_implementation != CP_ATTENTION:
+                # tensor parallelism gave the module a private config with its local head
+                # counts; the module picks its attention function from that copy
+                own._attn_implementation = CP_ATTENTION
             tagged += 1
     if not tagged:
         raise PlanError(f"context parallelism found no attention module in "

@@ -146,7 +146,7 @@ def test_untraceable_model_names_the_module() -> None:
 
 def test_wrong_arity_is_reported_before_tracing(tiny_gpt, token_ids) -> None:
     with pytest.raises(autopar.CaptureError, match=r"GPT\.forward\(idx"):
-        autopar.capture(tiny_gpt, (token_ids, token_ids))
+        autopar.capture(tiny_gpt, (token_ids, None, token_ids))
     with pytest.raises(autopar.CaptureError, match="no example inputs"):
         autopar.capture(tiny_gpt)
 

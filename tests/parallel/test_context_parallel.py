@@ -157,13 +157,13 @@ def _assert_equal_to_one_process(got: tuple, reference: tuple) -> tuple[float, f
     return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), worst
 
 
-def _llama_plan(devices: int, **pins):
+def _llama_plan(devices: int, cluster: str = "cpu", **pins):
     import autopar
 
     graph = autopar.capture("tiny-llama", seq=SEQ)
     constraints = dict(dp=1, tp=1, pp=1, ep=1, microbatch_size=BATCH // pins.get("dp", 1),
                        precision="fp32")
-    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="cpu",
+    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster=cluster,
                         constraints={**constraints, **pins})
 
 
@@ -229,8 +229,12 @@ def test_compiled_context_parallel_program_trains_as_one_process(pins: dict,
     parallelism beside it), run by the Trainer: losses, first-step gradients and the
     held-out loss after training (evaluation splits the sequence too) equal one process's."""
     devices = pins["cp"] * pins.get("tp", 1) * pins.get("dp", 1)
-    plan = _llama_plan(devices, **pins)
+    # on an A100 cluster the search splits the attention heads over tp (on "cpu" it keeps
+    # them whole), so tp's per-rank attention runs the cp attention too
+    plan = _llama_plan(devices, cluster="a100-80g", **pins)
     assert plan.mesh["cp"] == 2 and plan.mesh["tp"] == pins.get("tp", 1)
+    if plan.mesh["tp"] > 1:
+        assert plan.placements["params"]["model.layers.0.self_attn.q_proj.weight"] != "Replicate"
     ref_losses, _, ref_grads, ref_held_out = _trainer_reference()
     losses, _, grads, held_out = _compiled_run(plan, tmp_path, STEPS)
     assert held_out == pytest.approx(ref_held_out, abs=1e-4)  # evaluation splits too
@@ -300,10 +304,19 @@ def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
     from autopar.errors import PlanError
     from autopar.plan.support import refuse_unsupported
 
-    plan = _llama_plan(4, cp=2, pp=2, microbatch_size=1, schedule="1f1b")
-    assert (plan.mesh["pp"], plan.mesh["cp"]) == (2, 2)
+    import autopar
+    from autopar.plan import Plan
+
+    # the search does not propose it: pinned, the search says which pins to relax
+    with pytest.raises(autopar.InfeasibleError, match="inside pipeline stages.*pp=1 or cp=1"):
+        _llama_plan(4, cp=2, pp=2, microbatch_size=1, schedule="1f1b")
+    # a plan file edited by hand to pp2 x cp2 is refused before any process starts
+    data = _llama_plan(4, pp=2, tp=2, microbatch_size=1, schedule="1f1b").to_dict()
+    data["mesh"] = {**data["mesh"], "tp": 1, "cp": 2}
+    edited = Plan.from_dict(data)
+    assert (edited.mesh["pp"], edited.mesh["cp"]) == (2, 2)
     with pytest.raises(PlanError, match="inside pipeline stages"):
-        refuse_unsupported(plan)
+        refuse_unsupported(edited)
 
 
 @pytest.mark.parametrize("mode", ["ring", "alltoall"])
