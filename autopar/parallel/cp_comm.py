@@ -4,8 +4,35 @@ on gloo (CPU) and NCCL alike."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
+
+
+@contextmanager
+def outside_selective_checkpoint() -> Iterator[None]:
+    """Run the enclosed communication and compute outside selective activation checkpointing's
+    dispatch modes (when those are the only modes active). Under them every op, the c10d sends
+    and receives included, is cached in the forward and replayed in the recompute; the replayed
+    sends do not reach the other rank and the ring waits for ever. Outside them the enclosed
+    code is one unit: its outputs are what the checkpoint saves or recomputes, and a recompute
+    runs it again whole, communication included, on every rank alike."""
+    # private names: torch has no public way to step out of SAC's modes
+    from torch.utils._python_dispatch import (
+        _disable_current_modes,
+        _get_current_dispatch_mode_stack,
+    )
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    stack = _get_current_dispatch_mode_stack()
+    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    if stack and all(isinstance(mode, sac) for mode in stack):
+        with _disable_current_modes():
+            yield
+    else:
+        yield
 
 
 def ring_neighbours(group) -> tuple[int, int]:
@@ -59,7 +86,8 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return all_to_all(x, group, scatter_dim, gather_dim)
+        with outside_selective_checkpoint():
+            return all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

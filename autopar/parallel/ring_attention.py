@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.parallel.cp_comm import RingPass
+from autopar.parallel.cp_comm import RingPass, outside_selective_checkpoint
 from autopar.parallel.cp_layout import chunk_ids
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
@@ -75,6 +75,12 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float,
                 causal: bool) -> torch.Tensor:
+        with outside_selective_checkpoint():  # the ring's sends must really run each time
+            return RingAttention._forward(ctx, q, k, v, group, scale, causal)
+
+    @staticmethod
+    def _forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float,
+                 causal: bool) -> torch.Tensor:
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
