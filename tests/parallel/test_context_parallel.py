@@ -305,11 +305,10 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
 
 
 def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
-    from autopar.errors import PlanError
-    from autopar.plan.support import refuse_unsupported
-
     import autopar
+    from autopar.errors import PlanError
     from autopar.plan import Plan
+    from autopar.plan.support import refuse_unsupported
 
     # the search does not propose it: pinned, the search says which pins to relax
     with pytest.raises(autopar.InfeasibleError, match="inside pipeline stages.*pp=1 or cp=1"):
