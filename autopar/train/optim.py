@@ -27,6 +27,8 @@ class Hyperparameters:
     warm-up included; None: the last step of the run). ``weight_decay`` applies to weights of
     two or more dimensions only: biases and norm scales are not decayed, as in Megatron-LM
     and torchtitan. ``grad_clip`` is the largest global gradient norm (0: no clipping).
+    ``router_aux_coef`` and ``router_z_coef`` weigh a mixture of experts' router losses
+    (:mod:`autopar.train.router_loss`; aux None: as the model's config says).
     """
 
     lr: float = 1e-3
@@ -38,6 +40,8 @@ class Hyperparameters:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0
+    router_aux_coef: float | None = None  # None: the model's config decides
+    router_z_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decay not in DECAYS:

@@ -54,6 +54,12 @@ _OPTIONS: list[Callable] = [
     click.option("--eps", default=1e-8, show_default=True, type=float, help="AdamW's eps."),
     click.option("--grad-clip", default=1.0, show_default=True, type=float,
                  help="Clip the global gradient norm to this (0: no clipping)."),
+    click.option("--router-aux-loss", "router_aux_coef", default=None, type=float,
+                 help="Weight of a mixture of experts' load-balancing loss (0: off) [default: "
+                      "the model config's router_aux_loss_coef if its output_router_logits "
+                      "is set, else off]."),
+    click.option("--router-z-loss", "router_z_coef", default=0.0, show_default=True,
+                 type=float, help="Weight of the router z-loss (ST-MoE)."),
     click.option("--eval", "eval_source", default=None,
                  help="Held-out data for validation loss and perplexity: 'synthetic' or a "
                       "token dataset PREFIX; logged to DIR/logs/eval.jsonl."),
@@ -86,7 +92,9 @@ def hyperparameters(options: dict) -> Hyperparameters:
                            decay=options["decay"], decay_steps=options["decay_steps"],
                            min_lr=options["min_lr"], weight_decay=options["weight_decay"],
                            betas=options["betas"], eps=options["eps"],
-                           grad_clip=options["grad_clip"])
+                           grad_clip=options["grad_clip"],
+                           router_aux_coef=options.get("router_aux_coef"),
+                           router_z_coef=options.get("router_z_coef", 0.0))
 
 
 def profile_window(steps: int, chosen: tuple[int, int] | None) -> tuple[int, int]:

@@ -18,11 +18,15 @@ from autopar.report import fmt
 
 def step_line(record: dict, total: int, eta_s: float | None) -> str:
     """The console line of one step: step/total, loss, learning rate, tokens/s (a
-    classifier's samples/s), MFU, memory, ETA."""
+    classifier's samples/s), a mixture of experts' router loss and expert load (the busiest
+    and idlest expert against an even share), MFU, memory, ETA."""
     speed = f"{fmt.count(record['tokens_per_s'])} tok/s" if "tokens_per_s" in record else \
         f"{fmt.count(record['samples_per_s'])} samples/s"
     parts = [f"step {record['step'] + 1}/{total}", f"loss {record['loss']:.4f}",
              f"lr {record['lr']:.3g}", speed]
+    if "router_aux_loss" in record:  # a mixture of experts' balance: its loss, busiest/idlest
+        parts.append(f"aux {record['router_aux_loss']:.4f} load "
+                     f"{record['expert_load_min']:.2f}-{record['expert_load_max']:.2f}x")
     if record.get("mfu") is not None:
         parts.append(f"MFU {fmt.pct(record['mfu'])}")
     parts.append(f"mem {fmt.nbytes(record['peak_memory_bytes'])}")
@@ -102,7 +106,8 @@ class RunLog:
         self._times.append(record["step_time_s"])
         if self._writer is not None:
             for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "mfu",
-                        "peak_memory_bytes"):
+                        "peak_memory_bytes", "router_aux_loss", "router_z_loss",
+                        "expert_load_max", "expert_load_min"):
                 value = record.get(key)
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, record["step"])

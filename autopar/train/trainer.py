@@ -54,6 +54,13 @@ from autopar.train.loss_scale import LossScaler
 from autopar.train.optim import Hyperparameters, decay_groups, lr_at, set_lr
 from autopar.train.parallelize import check_module_paths, check_tp_entries
 from autopar.train.program_calls import pipeline_spec, replicate
+from autopar.train.router_loss import (
+    RouterTerms,
+    load_summary,
+    router_logits_of,
+    router_loss_of,
+    router_terms,
+)
 from autopar.train.run_log import RunLog
 from autopar.train.task import open_samples, training_task
 from autopar.weights.hf_weights import HFCheckpoint
@@ -123,6 +130,13 @@ class Trainer:
             if program is not None and getattr(program, "LOSS_SCALING", False) else None
         model = build_from_source(source, seed, "meta")
         base_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # a mixture of experts' router losses (load balancing, z-loss), when asked for
+        self.router = router_loss_of(model, hyper.router_aux_coef, hyper.router_z_coef)
+        if self.router is not None and plan.mesh["pp"] > 1:
+            raise PlanError("the router's load-balancing and z-losses span every MoE layer, "
+                            "and pipeline stages hold only some: re-plan with constraints "
+                            "pp=1, or train without --router-aux-loss and --router-z-loss")
+        self.router_step: list[RouterTerms] = []  # this step's micro-batches' terms
         adapt = getattr(program, "adapt", None) if program is not None else None
         if adapt is not None:  # fine-tuning: freeze the base, add what trains
             adapt(model)
@@ -248,6 +262,34 @@ class Trainer:
             return lm_loss(output, targets)
         return lm_loss(output, targets, self.rdrop_alpha)
 
+    def _router_loss(self, output: object) -> torch.Tensor:
+        """The router terms a micro-batch adds to its loss: this rank's share under cp,
+        times cp, as the cp language-model loss (the gradient sync averages over cp)."""
+        group = self.cp.group if self.cp is not None else None
+        terms = router_terms(router_logits_of(output), self.router, group)
+        self.router_step.append(terms)
+        return terms.weighted(self.router) * (self.cp.size if self.cp is not None else 1)
+
+    def _router_record(self) -> dict:
+        """The step's router losses (means over its micro-batches, whole sequences) and
+        expert load, for the run log; empty without router losses."""
+        if not self.router_step:
+            return {}
+        count = len(self.router_step)
+        values = torch.stack([torch.stack([t.aux.detach(), t.z.detach()])
+                              for t in self.router_step]).sum(0) / count
+        if self.cp is not None:  # each cp rank holds a share of the sequences' terms
+            dist.all_reduce(values, group=self.cp.group)
+        load = torch.stack([t.load for t in self.router_step]).sum(0)
+        self.router_step = []
+        if self.replica_group is not None:  # the global batch's, as the loss
+            both = torch.cat([values, load])
+            dist.all_reduce(both, group=self.replica_group)
+            values = both[:2] / (self.plan.mesh["dp"] * self.plan.mesh["ep"])
+            load = both[2:]
+        record = {"router_aux_loss": float(values[0]), "router_z_loss": float(values[1])}
+        return {**record, **load_summary(load)}
+
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with self._compute():
@@ -280,7 +322,8 @@ class Trainer:
             {"tokens_per_s": plan.global_batch * self.seq / elapsed}
         self.last_record = {
             "step": self.step_index, "loss": value, "lr": lr, "step_time_s": elapsed, **speed,
-            "mfu": measured_mfu(plan, elapsed), "peak_memory_bytes": _peak_memory()}
+            "mfu": measured_mfu(plan, elapsed), "peak_memory_bytes": _peak_memory(),
+            **self._router_record()}
         self.step_index += 1
         if not math.isfinite(value):
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")
@@ -301,7 +344,12 @@ class Trainer:
                 chunk = inputs[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with record_function(FORWARD), self._compute():
-                        loss = self.loss(self.model(chunk), targets[i * b:(i + 1) * b])
+                        if self.router is None:
+                            loss = self.loss(self.model(chunk), targets[i * b:(i + 1) * b])
+                        else:
+                            output = self.model(chunk, output_router_logits=True)
+                            loss = self.loss(output, targets[i * b:(i + 1) * b]) + \
+                                self._router_loss(output)
                     scaled = loss / m
                     with record_function(BACKWARD):
                         (self.scaler.scale(scaled) if self.scaler is not None

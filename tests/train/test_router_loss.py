@@ -1,0 +1,135 @@
+"""A mixture of experts' router losses: Hugging Face's load-balancing loss to 1e-6, the
+z-loss from its definition, and training with them under plans drawn from the search equal to
+one process (losses with the router terms included, first-step gradients)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.models.source import build_from_source, describe_source
+from autopar.train.router_loss import load_summary, router_loss_of, router_terms
+
+MOE = ["tiny-mixtral", "tiny-qwen2-moe"]
+SEQ, BATCH, STEPS = 32, 4, 3
+
+
+def _model_and_output(name: str):
+    model = build_from_source(describe_source(name), 0, "cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator()
+                        .manual_seed(1))
+    return model, model(ids, output_router_logits=True)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_aux_loss_equals_hugging_faces(name: str) -> None:
+    model, output = _model_and_output(name)
+    spec = router_loss_of(model, aux_coef=0.02)
+    terms = router_terms(output.router_logits, spec)
+    assert output.aux_loss is not None and float(output.aux_loss.detach()) > 0
+    assert abs(float(terms.aux.detach()) - float(output.aux_loss.detach())) < 1e-6
+    # and its gradient: the router weights' from ours and from Hugging Face's loss
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(routers) == model.config.num_hidden_layers
+    ours = torch.autograd.grad(terms.aux, routers, retain_graph=True)
+    theirs = torch.autograd.grad(output.aux_loss, routers)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    # every top-k assignment is counted once: tokens x layers x k
+    assert int(terms.load.sum()) == 2 * SEQ * model.config.num_hidden_layers * spec.top_k
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_per_layer_summed() -> None:
+    model, output = _model_and_output("tiny-mixtral")
+    spec = router_loss_of(model, aux_coef=0.0, z_coef=1e-3)
+    assert spec is not None and spec.aux_coef == 0
+    expected = sum(float(torch.logsumexp(layer.float(), -1).square().mean())
+                   for layer in output.router_logits)
+    assert float(router_terms(output.router_logits, spec).z) == pytest.approx(expected,
+                                                                               rel=1e-6)
+
+
+def test_the_config_decides_unless_overridden() -> None:
+    model = build_from_source(describe_source("tiny-mixtral"), 0, "meta")
+    assert router_loss_of(model) is None  # output_router_logits is off, as Hugging Face's
+    model.config.output_router_logits = True
+    assert router_loss_of(model).aux_coef == model.config.router_aux_loss_coef
+    assert router_loss_of(model, aux_coef=0.0) is None
+    dense = build_from_source(describe_source("tiny-llama"), 0, "meta")
+    assert router_loss_of(dense) is None
+    with pytest.raises(PlanError, match="no top-k expert router"):
+        router_loss_of(dense, aux_coef=0.01)
+    with pytest.raises(PlanError, match="0 or more"):
+        router_loss_of(model, aux_coef=-1.0)
+
+
+def test_load_summary_against_an_even_share() -> None:
+    assert load_summary(torch.tensor([2.0, 2.0, 2.0, 2.0])) == {"expert_load_max": 1.0,
+                                                                "expert_load_min": 1.0}
+    assert load_summary(torch.tensor([6.0, 2.0, 0.0, 0.0])) == {"expert_load_max": 3.0,
+                                                                "expert_load_min": 0.0}
+
+
+# ---- training: plans drawn from the search, 2 gloo processes, against one process ----------
+
+HYPER = dict(router_aux_coef=0.5, router_z_coef=0.01)  # large: a wrong term shows
+
+
+def _plan(devices: int, **pins):
+    graph = autopar.capture("tiny-mixtral", seq=SEQ)
+    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="a100-80g",
+                        constraints=dict(pins, precision="fp32"))
+
+
+@pytest.fixture(scope="module")
+def one_process() -> tuple:
+    from tests.fixtures.harness import run_ranks
+
+    source = describe_source("tiny-mixtral")
+    plain = run_ranks(source, _plan(1, microbatch_size=1), STEPS)[0]
+    with_router = run_ranks(source, _plan(1, microbatch_size=1), STEPS, first_grads=True,
+                            hyper=HYPER, probe=_record)
+    return plain, with_router
+
+
+def _record(trainer) -> dict:
+    return trainer.last_record
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=1, ep=1, pp=1),
+                                  dict(dp=2, tp=1, ep=1, pp=1, cp=1, zero_stage=1),
+                                  dict(ep=2, dp=1, tp=1, pp=1, cp=1),
+                                  dict(tp=2, dp=1, ep=1, pp=1, cp=1, sequence_parallel=True)],
+                         ids=["cp2", "dp2-zero1", "ep2", "tp2-sp"])
+def test_router_losses_under_drawn_plans_equal_one_process(pins: dict, one_process) -> None:
+    from tests.fixtures.harness import run_ranks
+
+    plain, (ref_losses, _, ref_grads, ref_record) = one_process
+    # the router terms are in the loss: without them it is another number
+    assert abs(ref_losses[0] - plain[0]) > 1e-3
+    assert ref_record["router_aux_loss"] > 0 and ref_record["expert_load_max"] >= 1.0
+    plan = _plan(2, microbatch_size=1, **pins)
+    for axis, degree in pins.items():
+        if axis in plan.mesh:
+            assert plan.mesh[axis] == degree
+    losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
+                                         first_grads=True, hyper=HYPER, probe=_record)
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"],
+                                                      abs=1e-4)
+    wrong = [n for n, g in ref_grads.items()
+             if np.linalg.norm(grads[n] - g) > 1e-4 * max(np.linalg.norm(g), 1e-8)]
+    assert not wrong and set(grads) == set(ref_grads)
+
+
+@pytest.mark.dist
+def test_router_losses_refuse_pipeline_stages() -> None:
+    from tests.fixtures.harness import run_ranks
+
+    plan = _plan(2, pp=2, microbatch_size=1, dp=1, tp=1, ep=1, cp=1)
+    with pytest.raises(RuntimeError, match="pipeline stages hold only some"):
+        run_ranks(describe_source("tiny-mixtral"), plan, 1, hyper=HYPER)
