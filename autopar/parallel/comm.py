@@ -7,8 +7,33 @@ the collective keeps the gradient's meaning explicit and testable.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
+
+# private names: torch has no public way to step out of selective checkpointing's modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+@contextmanager
+def outside_selective_checkpoint() -> Iterator[None]:
+    """Run the enclosed communication, and the compute between, outside selective activation
+    checkpointing's dispatch modes (when those are the only modes active). Under them every
+    op, c10d's sends, receives and all-to-alls included, is cached in the forward and replayed
+    in the recompute: a replayed send never reaches its peer, which then waits for ever, and
+    integer routing tensors cannot be replayed at all. Outside them the enclosed code is one
+    unit: the checkpoint keeps what it saves for backward, and a recompute runs it again
+    whole, communication included, on every rank alike."""
+    stack = _get_current_dispatch_mode_stack()
+    if stack and all(isinstance(mode, _SAC_MODES) for mode in stack):
+        with _disable_current_modes():
+            yield
+    else:
+        yield
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],

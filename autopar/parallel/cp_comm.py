@@ -4,35 +4,10 @@ on gloo (CPU) and NCCL alike."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
-
-@contextmanager
-def outside_selective_checkpoint() -> Iterator[None]:
-    """Run the enclosed communication and compute outside selective activation checkpointing's
-    dispatch modes (when those are the only modes active). Under them every op, the c10d sends
-    and receives included, is cached in the forward and replayed in the recompute; the replayed
-    sends do not reach the other rank and the ring waits for ever. Outside them the enclosed
-    code is one unit: its outputs are what the checkpoint saves or recomputes, and a recompute
-    runs it again whole, communication included, on every rank alike."""
-    # private names: torch has no public way to step out of SAC's modes
-    from torch.utils._python_dispatch import (
-        _disable_current_modes,
-        _get_current_dispatch_mode_stack,
-    )
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
-
-    stack = _get_current_dispatch_mode_stack()
-    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-    if stack and all(isinstance(mode, sac) for mode in stack):
-        with _disable_current_modes():
-            yield
-    else:
-        yield
+from autopar.parallel.comm import outside_selective_checkpoint
 
 
 def ring_neighbours(group) -> tuple[int, int]:

@@ -21,7 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.parallel.cp_comm import RingPass, outside_selective_checkpoint
+from autopar.parallel.comm import outside_selective_checkpoint
+from autopar.parallel.cp_comm import RingPass
 from autopar.parallel.cp_layout import chunk_ids
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"

@@ -135,10 +135,11 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
     if pp > 1 and recompute - set(recompute_modes(schedule)):
         return ("selective or op recompute with the zero-bubble schedule (constraints "
                 "recompute=full or schedule=1f1b)")
-    if ep > 1 and {"selective", "op"} & recompute:
-        return ("selective or op recompute with expert parallelism (selective checkpointing cannot "
-                "replay the all-to-all dispatch's integer routing tensors: constraints "
-                "recompute=full)")
+    if ep > 1 and zero_stage >= 2 and {"selective", "op"} & recompute:
+        # the recompute replays the cached expert dispatch while fully_shard re-gathers the
+        # experts' weights, and the grouped matmul then sees integer routing tensors
+        return ("selective or op recompute with expert parallelism under ZeRO-2/3 "
+                "(constraints recompute=full or zero_stage=1)")
     if cp > 1 and ep > 1:
         return "context parallelism with expert parallelism (constraints ep=1 or cp=1)"
     if cp > 1 and pp > 1:  # traced stages do not take the cp attention yet
