@@ -51,8 +51,8 @@ def test_compile_writes_the_pipeline_program(tmp_path) -> None:
     from autopar.parallel.pipeline import chunk_ranges
 
     chunks = [list(c) for c in chunk_ranges(plan)]
-    assert f"chunk c on pp rank c % pp): {chunks}" in text
-    assert f"schedule {plan.schedule}" in text
+    cut = ", ".join(f"{a}-{b - 1}" for a, b in chunks)
+    assert f"schedule {plan.schedule}, chunks of blocks {cut} (chunk c on pp rank c % pp)" in text
     assert "def parallelize_stage(stage, mesh, plan, original):" in text
     manifest, _ = load_artifact(out)
     assert manifest["program"]["file"] == "train.py"

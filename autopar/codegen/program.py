@@ -151,6 +151,18 @@ def _dict(d: dict) -> str:
 _PROSE_UNSAFE = re.compile(r"[^\w.+\-@:/ ,()\[\]=<>%']")
 
 
+def _chunk_summary(plan: Plan) -> str:
+    """How the runtime cuts the blocks into pipeline chunks, in a few words (ints only):
+    the chunks themselves when they are few, else their count and sizes."""
+    chunks = [(int(a), int(b)) for a, b in plan.chunk_ranges()]
+    if len(chunks) <= 4:
+        cut = ", ".join(f"{a}-{b - 1}" for a, b in chunks)
+        return f"chunks of blocks {cut} (chunk c on pp rank c % pp)"
+    sizes = sorted({b - a for a, b in chunks})
+    size = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return f"{len(chunks)} chunks of {size} blocks, chunk c on pp rank c % pp"
+
+
 def prose(value: object) -> str:
     """``value`` as text that is safe inside the program's docstring or a comment: anything
     but letters, digits, spaces and plain punctuation (quotes, backslashes, line breaks)
@@ -183,10 +195,8 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
                                            if plan.offload else ""))
     w.line(f"batch: global {plan.global_batch} = {m['dp'] * m['ep']} data-parallel ranks x "
            f"{plan.microbatch_size} x {plan.num_microbatches} micro-batches"
-           + (f"; schedule {prose(plan.schedule)}" if m["pp"] > 1 else ""))
-    if m["pp"] > 1:  # ints only: which blocks each stage holds, as the runtime cuts them
-        chunks = [[int(a), int(b)] for a, b in plan.chunk_ranges()]
-        w.line(f"pipeline chunks (blocks [start, end), chunk c on pp rank c % pp): {chunks}")
+           + (f"; schedule {prose(plan.schedule)}, {_chunk_summary(plan)}" if m["pp"] > 1
+              else ""))
     if predicted:
         w.line(f"predicted step time on {prose(plan.cluster)}: {predicted:.4g} s")
     if source.get("kind") == "hf_config":
