@@ -77,6 +77,9 @@ def _single(graph, microbatch_size: int):
                         constraints=dict(microbatch_size=microbatch_size, precision="fp32"))
 
 
+# 12 plans of 2-4 processes each: ~200 s alone here, over 300 s beside another worker; each
+# run is bounded by the harness (180 s), so a hang still fails
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(DRAWS))
 def test_random_plans_from_the_search_equal_one_process(name: str) -> None:
     source, graph = _model(name)
