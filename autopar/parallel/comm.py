@@ -19,6 +19,7 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 
 _SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
+
 @contextmanager
 def outside_selective_checkpoint() -> Iterator[None]:
     """Run the enclosed communication, and the compute between, outside selective activation

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.train.loss import full
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ def router_terms(router_logits: tuple[torch.Tensor, ...], spec: RouterLoss,
     lse_squared = 0.0
     rows = 0
     for layer in router_logits:
-        layer = layer.full_tensor() if hasattr(layer, "full_tensor") else layer
-        layer = layer.float().reshape(-1, spec.experts)
+        layer = full(layer).float().reshape(-1, spec.experts)
         weights = F.softmax(layer, dim=-1)
         chosen = torch.topk(weights.detach(), spec.top_k, dim=-1).indices
         counts = counts.to(layer.device) + torch.bincount(chosen.reshape(-1),

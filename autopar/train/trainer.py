@@ -137,6 +137,7 @@ class Trainer:
                             "and pipeline stages hold only some: re-plan with constraints "
                             "pp=1, or train without --router-aux-loss and --router-z-loss")
         self.router_step: list[RouterTerms] = []  # this step's micro-batches' terms
+        self.forward_kwargs = {"output_router_logits": True} if self.router is not None else {}
         adapt = getattr(program, "adapt", None) if program is not None else None
         if adapt is not None:  # fine-tuning: freeze the base, add what trains
             adapt(model)
@@ -344,12 +345,10 @@ class Trainer:
                 chunk = inputs[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with record_function(FORWARD), self._compute():
-                        if self.router is None:
-                            loss = self.loss(self.model(chunk), targets[i * b:(i + 1) * b])
-                        else:
-                            output = self.model(chunk, output_router_logits=True)
-                            loss = self.loss(output, targets[i * b:(i + 1) * b]) + \
-                                self._router_loss(output)
+                        output = self.model(chunk, **self.forward_kwargs)
+                        loss = self.loss(output, targets[i * b:(i + 1) * b])
+                        if self.router is not None:
+                            loss = loss + self._router_loss(output)
                     scaled = loss / m
                     with record_function(BACKWARD):
                         (self.scaler.scale(scaled) if self.scaler is not None
