@@ -9,6 +9,7 @@ from torch import nn
 
 import autopar
 from autopar.models.source import describe_source
+from tests.fixtures.collectives import Collectives
 from tests.fixtures.harness import run_ranks, spawn_ranks
 from tests.fixtures.layouts import with_full_size_layout
 
@@ -46,7 +47,6 @@ def _probe(trainer) -> dict:
     more forward performs."""
     import torch
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.debug import CommDebugMode
 
     experts = trainer.experts
     assert len(experts) == MOE_LAYERS
@@ -65,9 +65,9 @@ def _probe(trainer) -> dict:
             assert p.to_local().numel() * shards == p.numel()  # but this rank stores its share
             local_shapes.append(tuple(p.to_local().shape))
     ids = torch.randint(0, trainer.vocab, (plan.microbatch_size, trainer.seq - 1))
-    with torch.no_grad(), CommDebugMode() as comm:
+    with torch.no_grad(), Collectives() as comm:
         trainer.model(ids)
-    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    counts = comm.counts
     return dict(local_shapes=local_shapes, tp_split=tp_split,
                 all_to_all=sum(n for op, n in counts.items() if "alltoall" in op),
                 sent=experts[0].tokens_sent, received=experts[0].tokens_received)

@@ -7,11 +7,11 @@ import os
 from datetime import timedelta
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.models import GPT, GPTConfig, token_inputs
 from autopar.models.source import describe_source
+from tests.fixtures.collectives import Collectives
 from tests.fixtures.harness import run_ranks, spawn_ranks
 from tests.fixtures.layouts import with_full_size_layout
 
@@ -21,32 +21,12 @@ pytestmark = pytest.mark.dist
 STEPS = 5
 
 
-class _Collectives(TorchDispatchMode):
-    """Counts the functional collectives a step issues, by kind. CommDebugMode counts the same
-    but its module tracker loses its place over several micro-batches, as pipelines run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor lower the op into collectives first
-        if func.namespace == "_c10d_functional":
-            name = func._overloadpacket.__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict) -> None:
     """Train STEPS steps, the last under a collective counter. Rank 0 reports its losses, the
-    names of its sharded DTensor parameters, the step's collectives by kind, and (with one
-    micro-batch, where CommDebugMode can follow modules) the forward collectives per module."""
+    names of its sharded DTensor parameters, the step's collectives by kind, and the forward
+    collectives per module."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor.debug import CommDebugMode
 
     from autopar.codegen import generated_program
     from autopar.plan import Plan
@@ -61,18 +41,9 @@ def _worker(rank: int, port: int, out, world: int, source: dict, plan_dict: dict
         trainer = Trainer(source, plan, program=generated_program(plan, source), device="cpu",
                           seed=0)
         losses = [trainer.train_step() for _ in range(STEPS - 1)]
-        per_module: dict[str, dict[str, int]] = {}
-        if plan.num_microbatches == 1:
-            with CommDebugMode() as comm:
-                losses.append(trainer.train_step())
-            total = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-            for fqn, phases in comm.comm_module_counts.items():
-                per_module[fqn] = {str(op).split(".")[-1]: n
-                                   for op, n in phases["forward"].items()}
-        else:
-            with _Collectives() as counter:
-                losses.append(trainer.train_step())
-            total = counter.counts
+        with Collectives(trainer.model) as counter:
+            losses.append(trainer.train_step())
+        total, per_module = counter.counts, counter.per_module
         sharded = sorted(n for n, p in trainer.model.named_parameters()
                          if hasattr(p, "device_mesh") and any(pl.is_shard() for pl in p.placements))
         dist.barrier()
@@ -140,7 +111,6 @@ def _llama_reference(llama, batching: dict) -> list[float]:
     return cache[key]
 
 
-# one micro-batch: CommDebugMode can then attribute each collective to its module
 ONE_MICROBATCH = dict(microbatch_size=4, num_microbatches=1)
 FOUR_MICROBATCHES = dict(microbatch_size=1, num_microbatches=4)
 
