@@ -5,7 +5,9 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -50,13 +52,13 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group(path))
 
 
-def _lock_path(testrunuid: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"autopar-tests-{testrunuid}.lock"
+def _lock_path(testrunuid: str, kind: str = "run") -> Path:
+    return Path(tempfile.gettempdir()) / f"autopar-tests-{testrunuid}.{kind}.lock"
 
 
 def pytest_configure(config) -> None:
     # the controller names the run (xdist hands the name to its workers) so that it can
-    # remove the run's lock file when the run ends
+    # remove the run's lock files when the run ends
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
         config.option.testrunuid = uuid.uuid4().hex
 
@@ -64,24 +66,54 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     uid = getattr(config.option, "testrunuid", None)
     if uid and not hasattr(config, "workerinput"):
-        _lock_path(uid).unlink(missing_ok=True)
+        for kind in ("run", "gate"):
+            _lock_path(uid, kind).unlink(missing_ok=True)
+
+
+EXCLUSIVE_WAIT_S = 900  # then the exclusive test runs beside the others rather than hang
+
+
+def _take_exclusive(run, gate) -> bool:
+    """Take the run lock exclusively: hold the gate (new tests wait at it, so a stream of
+    short tests cannot starve this one), then poll until the running tests finish. False if
+    they did not within EXCLUSIVE_WAIT_S."""
+    fcntl.lockf(gate, fcntl.LOCK_EX)
+    try:
+        deadline = time.monotonic() + EXCLUSIVE_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.2)
+    finally:
+        fcntl.lockf(gate, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Tests marked ``exclusive`` time the machine itself (``autopar profile``'s sweeps): they
     run, fixtures included, while no other worker runs a test. Every other test holds the
-    lock shared; without xdist there is nothing to share."""
+    run lock shared; without xdist there is nothing to share. POSIX record locks (lockf)
+    belong to the process, so a child a test forks never holds them."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if uid is None:
         return (yield)
-    with open(_lock_path(uid), "a") as handle:
-        exclusive = item.get_closest_marker("exclusive") is not None
-        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    with open(_lock_path(uid), "a+") as run, open(_lock_path(uid, "gate"), "a+") as gate:
+        if item.get_closest_marker("exclusive") is not None:
+            if not _take_exclusive(run, gate):
+                warnings.warn(f"{item.nodeid} ran beside other tests: they held the machine "
+                              f"for {EXCLUSIVE_WAIT_S} s", stacklevel=1)
+        else:
+            fcntl.lockf(gate, fcntl.LOCK_SH)  # waits while an exclusive test is queued
+            fcntl.lockf(run, fcntl.LOCK_SH)
+            fcntl.lockf(gate, fcntl.LOCK_UN)
         try:
             return (yield)
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(run, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -210,6 +210,7 @@ def test_killed_commands_lose_nothing(workspace) -> None:
 # file-system change in turn, of the swap and then of the roll-back that undoes it.
 
 _MUTATIONS = ("replace", "rename", "unlink", "rmdir", "mkdir")
+CHILD_LIMIT_S = 120
 
 
 def _killed_after(changes: int, action) -> bool:
@@ -217,6 +218,9 @@ def _killed_after(changes: int, action) -> bool:
     number ``changes`` (0-based); True when it was killed, False when it finished first."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
+        # a child forked from a threaded process can deadlock on a lock another thread held
+        # at the fork: the alarm ends it instead of leaving it behind
+        signal.alarm(CHILD_LIMIT_S)
         try:
             count = [0]
 
@@ -234,6 +238,8 @@ def _killed_after(changes: int, action) -> bool:
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+        raise AssertionError(f"the forked child ran past {CHILD_LIMIT_S} s (hung)")
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
