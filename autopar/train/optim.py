@@ -29,6 +29,8 @@ class Hyperparameters:
     and torchtitan. ``grad_clip`` is the largest global gradient norm (0: no clipping).
     ``router_aux_coef`` and ``router_z_coef`` weigh a mixture of experts' router losses
     (:mod:`autopar.train.router_loss`; aux None: as the model's config says).
+    ``capacity_factor`` caps the token copies each expert takes per sequence
+    (:mod:`autopar.train.expert_capacity`; None: dropless routing, as the model defines it).
     """
 
     lr: float = 1e-3
@@ -42,6 +44,7 @@ class Hyperparameters:
     grad_clip: float = 1.0
     router_aux_coef: float | None = None  # None: the model's config decides
     router_z_coef: float = 0.0
+    capacity_factor: float | None = None  # None: dropless
 
     def __post_init__(self) -> None:
         if self.decay not in DECAYS:
@@ -61,6 +64,9 @@ class Hyperparameters:
             raise PlanError(f"Adam's betas must lie in [0, 1); got {self.betas}")
         if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
             raise PlanError("weight decay and gradient clipping must be 0 or more, eps positive")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise PlanError(f"the capacity factor must be more than 0 (or unset: dropless); "
+                            f"got {self.capacity_factor}")
 
     def with_horizon(self, steps: int) -> Hyperparameters:
         """These settings with the schedule's horizon fixed (``decay_steps`` when unset)."""

@@ -54,6 +54,16 @@ class RouterTerms:
         return spec.aux_coef * self.aux + spec.z_coef * self.z
 
 
+def routing_shape(model: nn.Module) -> tuple[int, int]:
+    """(experts the router picks from, experts it picks per token) from the model's config;
+    (0, 0) for a model without a top-k router."""
+    config = getattr(model, "config", None)
+    experts = next((int(getattr(config, name)) for name in
+                    ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(config, name, None)), 0)
+    return experts, int(getattr(config, "num_experts_per_tok", 0) or 0)
+
+
 def router_loss_of(model: nn.Module, aux_coef: float | None = None,
                    z_coef: float = 0.0) -> RouterLoss | None:
     """The router losses to train ``model`` with, or None. ``aux_coef`` None follows the
@@ -61,10 +71,7 @@ def router_loss_of(model: nn.Module, aux_coef: float | None = None,
     ``output_router_logits`` is set, else off); a number overrides it. A model without a
     top-k router refuses a non-zero coefficient."""
     config = getattr(model, "config", None)
-    experts = next((int(getattr(config, name)) for name in
-                    ("num_local_experts", "num_experts", "n_routed_experts")
-                    if getattr(config, name, None)), 0)
-    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    experts, top_k = routing_shape(model)
     if aux_coef is None:
         aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) \
             if getattr(config, "output_router_logits", False) else 0.0

@@ -60,6 +60,9 @@ _OPTIONS: list[Callable] = [
                       "is set, else off]."),
     click.option("--router-z-loss", "router_z_coef", default=0.0, show_default=True,
                  type=float, help="Weight of the router z-loss (ST-MoE)."),
+    click.option("--capacity-factor", default=None, type=float,
+                 help="Cap each expert at this factor times an even share of a sequence's "
+                      "token copies, dropping the rest (GShard) [default: dropless]."),
     click.option("--eval", "eval_source", default=None,
                  help="Held-out data for validation loss and perplexity: 'synthetic' or a "
                       "token dataset PREFIX; logged to DIR/logs/eval.jsonl."),
@@ -94,7 +97,8 @@ def hyperparameters(options: dict) -> Hyperparameters:
                            betas=options["betas"], eps=options["eps"],
                            grad_clip=options["grad_clip"],
                            router_aux_coef=options.get("router_aux_coef"),
-                           router_z_coef=options.get("router_z_coef", 0.0))
+                           router_z_coef=options.get("router_z_coef", 0.0),
+                           capacity_factor=options.get("capacity_factor"))
 
 
 def profile_window(steps: int, chosen: tuple[int, int] | None) -> tuple[int, int]:

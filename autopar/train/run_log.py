@@ -27,6 +27,8 @@ def step_line(record: dict, total: int, eta_s: float | None) -> str:
     if "router_aux_loss" in record:  # a mixture of experts' balance: its loss, busiest/idlest
         parts.append(f"aux {record['router_aux_loss']:.4f} load "
                      f"{record['expert_load_min']:.2f}-{record['expert_load_max']:.2f}x")
+    if "expert_dropped_share" in record:  # copies past the experts' capacity
+        parts.append(f"dropped {fmt.pct(record['expert_dropped_share'])}")
     if record.get("mfu") is not None:
         parts.append(f"MFU {fmt.pct(record['mfu'])}")
     parts.append(f"mem {fmt.nbytes(record['peak_memory_bytes'])}")
@@ -107,7 +109,7 @@ class RunLog:
         if self._writer is not None:
             for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "mfu",
                         "peak_memory_bytes", "router_aux_loss", "router_z_loss",
-                        "expert_load_max", "expert_load_min"):
+                        "expert_load_max", "expert_load_min", "expert_dropped_share"):
                 value = record.get(key)
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, record["step"])

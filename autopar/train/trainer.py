@@ -42,6 +42,7 @@ from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.train.checkpoint import load_checkpoint, save_checkpoint
+from autopar.train.expert_capacity import CapacityCounter, install_capacity
 from autopar.train.loss import (
     IGNORE_INDEX,
     classification_loss,
@@ -60,6 +61,7 @@ from autopar.train.router_loss import (
     router_logits_of,
     router_loss_of,
     router_terms,
+    routing_shape,
 )
 from autopar.train.run_log import RunLog
 from autopar.train.task import open_samples, training_task
@@ -138,6 +140,7 @@ class Trainer:
                             "pp=1, or train without --router-aux-loss and --router-z-loss")
         self.router_step: list[RouterTerms] = []  # this step's micro-batches' terms
         self.forward_kwargs = {"output_router_logits": True} if self.router is not None else {}
+        self.routing = routing_shape(model)
         adapt = getattr(program, "adapt", None) if program is not None else None
         if adapt is not None:  # fine-tuning: freeze the base, add what trains
             adapt(model)
@@ -204,6 +207,7 @@ class Trainer:
         # context parallelism: each cp rank feeds its share of every sequence, loss summed
 
         self.cp = context_parallel_of(model)
+        self.capacity = self._install_capacity(model, plan, hyper.capacity_factor)
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \
@@ -262,6 +266,28 @@ class Trainer:
                 output = logits[: targets.shape[0]]
             return lm_loss(output, targets)
         return lm_loss(output, targets, self.rdrop_alpha)
+
+    def _install_capacity(self, model: nn.Module, plan: Plan,
+                          capacity_factor: float | None) -> CapacityCounter | None:
+        """Expert capacity on the parallelized model (None: dropless routing)."""
+        if capacity_factor is None:
+            return None
+        if plan.mesh["pp"] > 1 or plan.mesh["cp"] > 1:
+            raise PlanError("expert capacity is counted per whole sequence inside one module "
+                            "tree: re-plan with constraints pp=1,cp=1, or drop "
+                            "--capacity-factor")
+        return install_capacity(model, capacity_factor, *self.routing)
+
+    def _capacity_record(self) -> dict:
+        """The share of token copies dropped past the experts' capacity this step (the
+        global batch's); empty when routing is dropless."""
+        if self.capacity is None:
+            return {}
+        counts = torch.tensor(self.capacity.take(), dtype=torch.float64)
+        if self.replica_group is not None:
+            dist.all_reduce(counts, group=self.replica_group)
+        routed, dropped = counts.tolist()
+        return {"expert_dropped_share": dropped / routed if routed else 0.0}
 
     def _router_loss(self, output: object) -> torch.Tensor:
         """The router terms a micro-batch adds to its loss: this rank's share under cp,
@@ -324,7 +350,7 @@ class Trainer:
         self.last_record = {
             "step": self.step_index, "loss": value, "lr": lr, "step_time_s": elapsed, **speed,
             "mfu": measured_mfu(plan, elapsed), "peak_memory_bytes": _peak_memory(),
-            **self._router_record()}
+            **self._router_record(), **self._capacity_record()}
         self.step_index += 1
         if not math.isfinite(value):
             raise FloatingPointError(f"loss became {value} at step {self.step_index}")

@@ -1,0 +1,138 @@
+"""Expert capacity with token dropping: the copies kept equal a plain GShard reference on the same
+router logits; a factor that leaves room for every copy changes nothing; training with a
+capacity under plans drawn from the search equals one process (losses, first-step gradients,
+the share of copies dropped)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.models.source import build_from_source, describe_source
+from autopar.train.expert_capacity import expert_capacity, install_capacity, kept_copies
+from autopar.train.optim import Hyperparameters
+from autopar.train.router_loss import routing_shape
+from tests.fixtures.harness import run_ranks
+
+SEQ, BATCH, STEPS = 32, 4, 3
+HYPER = dict(capacity_factor=1.0)
+
+
+def _gshard_reference(top_k_index: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """GShard's dispatch written out: choice by choice, token by token, each expert keeps a
+    copy while it has room."""
+    groups, tokens, k = top_k_index.shape
+    keep = torch.zeros(groups, tokens, k, dtype=torch.bool)
+    for g in range(groups):
+        load = [0] * experts
+        for choice in range(k):
+            for t in range(tokens):
+                e = int(top_k_index[g, t, choice])
+                if load[e] < capacity:
+                    keep[g, t, choice] = True
+                    load[e] += 1
+    return keep
+
+
+@pytest.mark.parametrize("experts,k,factor", [(4, 2, 1.0), (8, 2, 1.25), (8, 1, 0.5),
+                                              (4, 1, 2.0)])
+def test_kept_copies_equal_gshard_on_the_same_router_logits(experts, k, factor) -> None:
+    logits = torch.randn(3, 40, experts, generator=torch.Generator().manual_seed(experts + k))
+    logits[..., 0] += 1.5  # a favoured expert: its queue overflows
+    top_k_index = torch.topk(torch.softmax(logits, -1), k, dim=-1).indices
+    capacity = expert_capacity(40, k, experts, factor)
+    keep = kept_copies(top_k_index, experts, capacity)
+    reference = _gshard_reference(top_k_index, experts, capacity)
+    assert torch.equal(keep, reference)
+    assert int((~keep).sum()) == int((~reference).sum()) > 0
+    # no expert takes more than its capacity from any group
+    kept = torch.where(keep, top_k_index, -1)
+    for e in range(experts):
+        assert int((kept == e).sum(dim=(1, 2)).max()) <= capacity
+
+
+def _tiny_mixtral():
+    model = build_from_source(describe_source("tiny-mixtral"), 0, "cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator()
+                        .manual_seed(1))
+    return model, ids
+
+
+def test_room_for_every_copy_changes_nothing_and_less_room_drops() -> None:
+    model, ids = _tiny_mixtral()
+    experts, k = routing_shape(model)
+    with torch.no_grad():
+        dropless = model(ids).logits
+        # a capacity of a whole sequence: no expert can be chosen more often than that
+        counter = install_capacity(model, experts / k, experts, k)
+        roomy = model(ids).logits
+    routed, dropped = counter.take()
+    assert routed == 2 * SEQ * k * model.config.num_hidden_layers and dropped == 0
+    assert torch.equal(roomy, dropless)
+    model, ids = _tiny_mixtral()
+    with torch.no_grad():
+        counter = install_capacity(model, 0.5, experts, k)
+        tight = model(ids).logits
+    routed, dropped = counter.take()
+    assert 0 < dropped < routed
+    assert not torch.allclose(tight, dropless, atol=1e-4)
+
+
+def test_bad_capacity_settings_are_refused_in_one_line() -> None:
+    with pytest.raises(PlanError, match="capacity factor must be more than 0"):
+        Hyperparameters(capacity_factor=0.0)
+    dense = build_from_source(describe_source("tiny-llama"), 0, "meta")
+    with pytest.raises(PlanError, match="routes no tokens to experts") as info:
+        install_capacity(dense, 1.0, *routing_shape(dense))
+    assert "\n" not in str(info.value)
+
+
+def _plan(devices: int, **pins):
+    graph = autopar.capture("tiny-mixtral", seq=SEQ)
+    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="a100-80g",
+                        constraints=dict(pins, precision="fp32"))
+
+
+def _record(trainer) -> dict:
+    return trainer.last_record
+
+
+@pytest.fixture(scope="module")
+def one_process() -> tuple:
+    source = describe_source("tiny-mixtral")
+    plain = run_ranks(source, _plan(1, microbatch_size=1), STEPS)[0]
+    capped = run_ranks(source, _plan(1, microbatch_size=1), STEPS, first_grads=True,
+                       hyper=HYPER, probe=_record)
+    return plain, capped
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pins", [dict(ep=2, dp=1, tp=1, pp=1, cp=1),
+                                  dict(dp=2, tp=1, ep=1, pp=1, cp=1, zero_stage=1),
+                                  dict(tp=2, dp=1, ep=1, pp=1, cp=1, sequence_parallel=True)],
+                         ids=["ep2", "dp2-zero1", "tp2-sp"])
+def test_capacity_under_drawn_plans_equals_one_process(pins: dict, one_process) -> None:
+    plain, (ref_losses, _, ref_grads, ref_record) = one_process
+    # copies were dropped, and that changed training
+    assert 0 < ref_record["expert_dropped_share"] < 1
+    assert abs(ref_losses[-1] - plain[-1]) > 1e-4
+    plan = _plan(2, microbatch_size=1, **pins)
+    for axis, degree in pins.items():
+        assert plan.mesh.get(axis, 1) == degree
+    losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
+                                         first_grads=True, hyper=HYPER, probe=_record)
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    assert record["expert_dropped_share"] == pytest.approx(ref_record["expert_dropped_share"])
+    wrong = [n for n, g in ref_grads.items()
+             if np.linalg.norm(grads[n] - g) > 1e-4 * max(np.linalg.norm(g), 1e-8)]
+    assert not wrong and set(grads) == set(ref_grads)
+
+
+@pytest.mark.dist
+def test_capacity_refuses_split_sequences() -> None:
+    plan = _plan(2, cp=2, dp=1, tp=1, ep=1, pp=1, microbatch_size=1)
+    with pytest.raises(RuntimeError, match="counted per whole sequence"):
+        run_ranks(describe_source("tiny-mixtral"), plan, 1, hyper=HYPER)
