@@ -26,15 +26,6 @@ from autopar.plan import Plan
 _EXPERTS_SIGNATURE = ["hidden_states", "top_k_index", "top_k_weights"]
 
 
-def check_expert_parallel(plan: Plan) -> None:
-    """Refuse, before any work, the ep combinations the runtime does not implement."""
-    if plan.mesh["ep"] == 1:
-        return
-    if plan.mesh["tp"] > 1 and plan.sequence_parallel:
-        raise PlanError("expert parallelism with sequence parallelism is not in the runtime "
-                        "yet; re-plan with constraints sequence_parallel=false or ep=1")
-
-
 def _num_experts(model: nn.Module, module: nn.Module) -> int | None:
     n = getattr(module, "num_experts", None)
     if isinstance(n, int):

@@ -144,8 +144,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
         return "context parallelism with expert parallelism (constraints ep=1 or cp=1)"
     if cp > 1 and pp > 1:  # traced stages do not take the cp attention yet
         return ("context parallelism inside pipeline stages (constraints pp=1 or cp=1)")
-    if ep > 1 and sequence_parallel and tp > 1:
-        return "expert parallelism with sequence parallelism (constraints sequence_parallel=false)"
     # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)
     # parameters are data-parallel through fully_shard, which shards gradients (ZeRO-2/3)
     if tp > 1 and dp * cp > 1 and zero_stage < 2 and ep == 1:  # cp ranks replicate too

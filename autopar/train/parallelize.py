@@ -21,7 +21,6 @@ from autopar.codegen.program import model_program
 from autopar.errors import PlanError
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
-    check_expert_parallel,
     replica_group,
     sync_expert_grads,
 )
@@ -112,7 +111,6 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     (over dp, before each step, as the Trainer does; ZeRO-1's shards its states too).
     """
     refuse_unsupported(plan)
-    check_expert_parallel(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan.check_world_size(world)
     if plan.mesh["pp"] > 1 and (example is None or loss_fn is None):

@@ -22,7 +22,6 @@ from autopar.models.source import build_from_source
 from autopar.parallel.context_parallel import context_parallel_of
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
-    check_expert_parallel,
     data_rank,
     replica_group,
     sync_expert_grads,
@@ -118,7 +117,6 @@ class Trainer:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan.check_world_size(world)
-        check_expert_parallel(plan)
         hyper = hyper or Hyperparameters()
         if lr is not None:  # a shorthand for the most common setting
             hyper = replace(hyper, lr=lr)

@@ -99,6 +99,8 @@ CASES = {
                                 num_microbatches=1)),
     "ep2 x tp2": (4, dict(ep=2, tp=2, dp=1, zero_stage=0, microbatch_size=1,
                           sequence_parallel=False)),
+    "ep2 x tp2 sp": (4, dict(ep=2, tp=2, dp=1, zero_stage=0, microbatch_size=1,
+                             sequence_parallel=True)),
 }
 # the same reductions, with the all-to-alls re-run in the backward, or parameters on the host
 MORE_CASES = {
@@ -301,21 +303,6 @@ def test_pipeline_expert_parallel_checkpoint_resumes_in_one_process(mixtral, tmp
     rest, _ = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), steps=2,
                         checkpoint_dir=ckpt, resume=True)
     assert first + rest == pytest.approx(reference, rel=1e-4)
-
-
-def test_unsupported_combinations_are_refused(graph) -> None:
-    from autopar.parallel.expert_parallel import check_expert_parallel
-
-    plan = _plan(graph, 2, ep=2, dp=1, zero_stage=0, microbatch_size=1)
-    check_expert_parallel(plan)  # supported
-    plan.mesh = {**plan.mesh, "pp": 2}
-    check_expert_parallel(plan)  # pipelines run expert parallelism inside their stages
-    plan.mesh, plan.sequence_parallel = {**plan.mesh, "pp": 1, "tp": 2}, True
-    with pytest.raises(autopar.PlanError, match="sequence.*ep=1"):
-        check_expert_parallel(plan)
-    plan.mesh, plan.sequence_parallel = {**plan.mesh, "pp": 1, "tp": 1}, False
-    plan.zero_stage = 1
-    check_expert_parallel(plan)  # ZeRO-1 shards the optimizer states over two groups
 
 
 def _dispatch_worker(rank: int, port: int, out, skew: bool) -> None:
