@@ -5,19 +5,18 @@ the share of copies dropped)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import autopar
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source, describe_source
 from autopar.train.expert_capacity import expert_capacity, install_capacity, kept_copies
 from autopar.train.optim import Hyperparameters
 from autopar.train.router_loss import routing_shape
-from tests.fixtures.harness import run_ranks
+from tests.fixtures.harness import differing_gradients, last_record, run_ranks
+from tests.fixtures.moe import SEQ, mixtral_one_process, mixtral_plan
 
-SEQ, BATCH, STEPS = 32, 4, 3
+STEPS = 3
 HYPER = dict(capacity_factor=1.0)
 
 
@@ -90,23 +89,9 @@ def test_bad_capacity_settings_are_refused_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
-def _plan(devices: int, **pins):
-    graph = autopar.capture("tiny-mixtral", seq=SEQ)
-    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="a100-80g",
-                        constraints=dict(pins, precision="fp32"))
-
-
-def _record(trainer) -> dict:
-    return trainer.last_record
-
-
 @pytest.fixture(scope="module")
 def one_process() -> tuple:
-    source = describe_source("tiny-mixtral")
-    plain = run_ranks(source, _plan(1, microbatch_size=1), STEPS)[0]
-    capped = run_ranks(source, _plan(1, microbatch_size=1), STEPS, first_grads=True,
-                       hyper=HYPER, probe=_record)
-    return plain, capped
+    return mixtral_one_process(STEPS, HYPER)
 
 
 @pytest.mark.dist
@@ -119,20 +104,18 @@ def test_capacity_under_drawn_plans_equals_one_process(pins: dict, one_process) 
     # copies were dropped, and that changed training
     assert 0 < ref_record["expert_dropped_share"] < 1
     assert abs(ref_losses[-1] - plain[-1]) > 1e-4
-    plan = _plan(2, microbatch_size=1, **pins)
+    plan = mixtral_plan(2, microbatch_size=1, **pins)
     for axis, degree in pins.items():
         assert plan.mesh.get(axis, 1) == degree
     losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
-                                         first_grads=True, hyper=HYPER, probe=_record)
+                                         first_grads=True, hyper=HYPER, probe=last_record)
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     assert record["expert_dropped_share"] == pytest.approx(ref_record["expert_dropped_share"])
-    wrong = [n for n, g in ref_grads.items()
-             if np.linalg.norm(grads[n] - g) > 1e-4 * max(np.linalg.norm(g), 1e-8)]
-    assert not wrong and set(grads) == set(ref_grads)
+    assert not differing_gradients(ref_grads, grads)
 
 
 @pytest.mark.dist
 def test_capacity_refuses_split_sequences() -> None:
-    plan = _plan(2, cp=2, dp=1, tp=1, ep=1, pp=1, microbatch_size=1)
+    plan = mixtral_plan(2, cp=2, dp=1, tp=1, ep=1, pp=1, microbatch_size=1)
     with pytest.raises(RuntimeError, match="counted per whole sequence"):
         run_ranks(describe_source("tiny-mixtral"), plan, 1, hyper=HYPER)

@@ -4,17 +4,17 @@ one process (losses with the router terms included, first-step gradients)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import autopar
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source, describe_source
 from autopar.train.router_loss import load_summary, router_loss_of, router_terms
+from tests.fixtures.harness import differing_gradients, last_record, run_ranks
+from tests.fixtures.moe import SEQ, mixtral_one_process, mixtral_plan
 
 MOE = ["tiny-mixtral", "tiny-qwen2-moe"]
-SEQ, BATCH, STEPS = 32, 4, 3
+STEPS = 3
 
 
 def _model_and_output(name: str):
@@ -78,25 +78,9 @@ def test_load_summary_against_an_even_share() -> None:
 HYPER = dict(router_aux_coef=0.5, router_z_coef=0.01)  # large: a wrong term shows
 
 
-def _plan(devices: int, **pins):
-    graph = autopar.capture("tiny-mixtral", seq=SEQ)
-    return autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="a100-80g",
-                        constraints=dict(pins, precision="fp32"))
-
-
 @pytest.fixture(scope="module")
 def one_process() -> tuple:
-    from tests.fixtures.harness import run_ranks
-
-    source = describe_source("tiny-mixtral")
-    plain = run_ranks(source, _plan(1, microbatch_size=1), STEPS)[0]
-    with_router = run_ranks(source, _plan(1, microbatch_size=1), STEPS, first_grads=True,
-                            hyper=HYPER, probe=_record)
-    return plain, with_router
-
-
-def _record(trainer) -> dict:
-    return trainer.last_record
+    return mixtral_one_process(STEPS, HYPER)
 
 
 @pytest.mark.dist
@@ -106,30 +90,24 @@ def _record(trainer) -> dict:
                                   dict(tp=2, dp=1, ep=1, pp=1, cp=1, sequence_parallel=True)],
                          ids=["cp2", "dp2-zero1", "ep2", "tp2-sp"])
 def test_router_losses_under_drawn_plans_equal_one_process(pins: dict, one_process) -> None:
-    from tests.fixtures.harness import run_ranks
-
     plain, (ref_losses, _, ref_grads, ref_record) = one_process
     # the router terms are in the loss: without them it is another number
     assert abs(ref_losses[0] - plain[0]) > 1e-3
     assert ref_record["router_aux_loss"] > 0 and ref_record["expert_load_max"] >= 1.0
-    plan = _plan(2, microbatch_size=1, **pins)
+    plan = mixtral_plan(2, microbatch_size=1, **pins)
     for axis, degree in pins.items():
         if axis in plan.mesh:
             assert plan.mesh[axis] == degree
     losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
-                                         first_grads=True, hyper=HYPER, probe=_record)
+                                         first_grads=True, hyper=HYPER, probe=last_record)
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"],
                                                       abs=1e-4)
-    wrong = [n for n, g in ref_grads.items()
-             if np.linalg.norm(grads[n] - g) > 1e-4 * max(np.linalg.norm(g), 1e-8)]
-    assert not wrong and set(grads) == set(ref_grads)
+    assert not differing_gradients(ref_grads, grads)
 
 
 @pytest.mark.dist
 def test_router_losses_refuse_pipeline_stages() -> None:
-    from tests.fixtures.harness import run_ranks
-
-    plan = _plan(2, pp=2, microbatch_size=1, dp=1, tp=1, ep=1, cp=1)
+    plan = mixtral_plan(2, pp=2, microbatch_size=1, dp=1, tp=1, ep=1, cp=1)
     with pytest.raises(RuntimeError, match="pipeline stages hold only some"):
         run_ranks(describe_source("tiny-mixtral"), plan, 1, hyper=HYPER)
