@@ -98,21 +98,30 @@ class ExpertParallelExperts(nn.Module):
         object.__setattr__(self, "_compute", experts)
         self.tokens_sent: list[int] = []
         self.tokens_received: list[int] = []
+        # set before each forward by expert capacity (autopar.train.expert_capacity): which
+        # token copies their expert keeps; the others are not sent at all
+        self.kept: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
+        kept, self.kept = self.kept, None
+        if kept is not None:  # dropped copies sort last, past every expert's count
+            flat = torch.where(kept.reshape(-1), flat, self.num_experts)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[:self.num_experts]
+        routed = int(counts.sum())
         arriving = exchange_counts(counts, self.group)  # [source rank, local expert]
         send = counts.view(self.ep, self.num_local).sum(1).tolist()
         recv = arriving.view(self.ep, self.num_local).sum(1).tolist()
         self.tokens_sent, self.tokens_received = send, recv
-        x = all_to_all(hidden_states[order // k], recv, send, self.group)
+        x = all_to_all(hidden_states[order[:routed] // k], recv, send, self.group)
         local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
         y = self._local_experts(x, local_ids.repeat_interleave(arriving))
         y = all_to_all(y, send, recv, self.group)
+        if routed < order.numel():  # the dropped copies come back as zeros
+            y = torch.cat([y, y.new_zeros(order.numel() - routed, y.shape[-1])])
         weighted = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)

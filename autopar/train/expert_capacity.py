@@ -107,6 +107,8 @@ def install_capacity(model: nn.Module, capacity_factor: float, experts: int,
             counter.routed += keep.numel()
             counter.dropped += int((~keep).sum())
             values["top_k_weights"] = weights * keep.to(weights.dtype)
+            if hasattr(module, "kept"):  # expert parallelism: dropped copies are not sent
+                module.kept = keep
             return (), values
         return hook
 

@@ -114,6 +114,25 @@ def test_capacity_under_drawn_plans_equals_one_process(pins: dict, one_process) 
     assert not differing_gradients(ref_grads, grads)
 
 
+def _sent_and_kept(trainer) -> tuple[int, int, int]:
+    """One more forward on every rank: (copies this rank sent in the all-to-alls, copies its
+    experts' capacity kept, copies dropped), over all MoE layers."""
+    ids = torch.randint(0, trainer.vocab, (1, trainer.seq - 1))
+    trainer.capacity.take()
+    with torch.no_grad():
+        trainer.model(ids)
+    routed, dropped = trainer.capacity.take()
+    return sum(sum(m.tokens_sent) for m in trainer.experts), routed - dropped, dropped
+
+
+@pytest.mark.dist
+def test_dropped_copies_are_not_sent_under_expert_parallelism() -> None:
+    plan = mixtral_plan(2, ep=2, dp=1, tp=1, pp=1, cp=1, microbatch_size=1)
+    *_, (sent, kept, dropped) = run_ranks(describe_source("tiny-mixtral"), plan, 1,
+                                          hyper=HYPER, probe=_sent_and_kept)
+    assert dropped > 0 and sent == kept
+
+
 @pytest.mark.dist
 def test_capacity_refuses_split_sequences() -> None:
     plan = mixtral_plan(2, cp=2, dp=1, tp=1, ep=1, pp=1, microbatch_size=1)
