@@ -23,7 +23,8 @@ from autopar.parallel.comm import all_to_all, exchange_counts
 from autopar.parallel.policies import _has_accelerator, _layer_names, mixed_precision_policy
 from autopar.plan import Plan
 
-_EXPERTS_SIGNATURE = ["hidden_states", "top_k_index", "top_k_weights"]
+# the forward of a transformers 5 experts module (and of its expert-parallel drop-in)
+EXPERTS_SIGNATURE = ["hidden_states", "top_k_index", "top_k_weights"]
 
 
 def _num_experts(model: nn.Module, module: nn.Module) -> int | None:
@@ -60,9 +61,9 @@ def find_experts(model: nn.Module) -> list[str]:
                             f"({', '.join(odd) or 'in submodules'}); expert parallelism cannot "
                             f"split it; re-plan with ep=1")
         signature = list(inspect.signature(module.forward).parameters)
-        if signature != _EXPERTS_SIGNATURE:
+        if signature != EXPERTS_SIGNATURE:
             raise PlanError(f"expert module {name} has forward({', '.join(signature)}), not "
-                            f"forward({', '.join(_EXPERTS_SIGNATURE)}) as transformers 5 MoE "
+                            f"forward({', '.join(EXPERTS_SIGNATURE)}) as transformers 5 MoE "
                             f"experts do; re-plan with ep=1")
         found.append(name)
     return found

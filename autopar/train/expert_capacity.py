@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from autopar.errors import PlanError
-
-_EXPERTS_SIGNATURE = ["hidden_states", "top_k_index", "top_k_weights"]
+from autopar.parallel.expert_parallel import EXPERTS_SIGNATURE
 
 
 def expert_capacity(tokens: int, top_k: int, experts: int, capacity_factor: float) -> int:
@@ -68,7 +67,7 @@ def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             params = list(inspect.signature(module.forward).parameters)
         except (TypeError, ValueError):
             continue
-        if params == _EXPERTS_SIGNATURE:
+        if params == EXPERTS_SIGNATURE:
             found.append((name, module))
     return found
 
@@ -97,7 +96,7 @@ def install_capacity(model: nn.Module, capacity_factor: float, experts: int,
 
     def drop_past_capacity(owner: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            values = dict(zip(_EXPERTS_SIGNATURE, args, strict=False), **kwargs)
+            values = dict(zip(EXPERTS_SIGNATURE, args, strict=False), **kwargs)
             index, weights = values["top_k_index"], values["top_k_weights"]
             sequence = owner._capacity_sequence
             groups = index.shape[0] // sequence
