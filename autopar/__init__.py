@@ -1,7 +1,7 @@
 """autopar: find the fastest way to run a PyTorch model on many devices, then build it.
 
 Public surface (see docs/architecture.md): ``capture``, ``plan``, ``sweep``, ``compile``,
-``parallelize``, ``Generator``, ``Cluster``, the error classes and the ``ir`` module.
+``parallelize``, ``Generator``, ``pipeline``, ``Cluster``, the error classes and the ``ir`` module.
 """
 
 import autopar.report  # noqa: F401 - registers Plan.report's renderer (plan/ cannot import it)
@@ -15,8 +15,10 @@ from autopar.plan import Plan
 from autopar.search.api import plan
 from autopar.search.sweep import sweep
 from autopar.serve.generate import Generator
+from autopar.serve.pipeline import pipeline
 from autopar.train.parallelize import parallelize
 
 __all__ = ["AutoparError", "CaptureError", "Cluster", "Generator", "InfeasibleError", "Plan",
            "PlanError",
-           "capture", "compile", "ir", "parallelize", "plan", "sweep", "__version__"]
+           "capture", "compile", "ir", "parallelize", "pipeline", "plan", "sweep",
+           "__version__"]
