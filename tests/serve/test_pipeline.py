@@ -12,6 +12,8 @@ import transformers
 
 import autopar
 from autopar.errors import PlanError
+from tests.fixtures.harness import run_in_group, spawn_ranks
+from tests.fixtures.layouts import with_full_size_layout
 
 CORPUS = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
           "we read a book at night", "user: hello there assistant: hi"]
@@ -84,6 +86,29 @@ def test_a_conversation_goes_through_the_chat_template(model_folder) -> None:
     assert ours(chat, max_new_tokens=6) == [
         {"generated_text": [*chat, {"role": "assistant", "content": new}]}]
     assert ours(chat, max_new_tokens=6, return_full_text=False) == [{"generated_text": new}]
+
+
+def _pipeline_under(folder: str, plan_dict: dict) -> list:
+    from autopar.plan import Plan
+
+    pipe = autopar.pipeline("text-generation", model=folder, plan=Plan.from_dict(plan_dict))
+    return pipe(PROMPTS, max_new_tokens=8)
+
+
+def _rank(rank: int, port: int, out, world: int, folder: str, plan_dict: dict) -> None:
+    run_in_group(rank, port, out, world, _pipeline_under, folder, plan_dict)
+
+
+@pytest.mark.dist
+def test_under_a_tensor_parallel_plan_the_text_is_one_processs(model_folder) -> None:
+    graph = autopar.capture("tiny-llama", seq=32)
+    plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(
+        tp=2, pp=1, dp=1, sequence_parallel=False, precision="fp32"))
+    plan = with_full_size_layout(plan, "tiny-llama")  # attention split by heads
+    expected = autopar.pipeline("text-generation", model=model_folder)(PROMPTS,
+                                                                       max_new_tokens=8)
+    (got,) = spawn_ranks(_rank, 2, (2, str(model_folder), plan.to_dict()), timeout_s=180)
+    assert got == expected
 
 
 def test_bad_inputs_are_refused_in_one_line(model_folder, hf_folder) -> None:
