@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from autopar.artifact import load_artifact
-from autopar.data.instruction import load_hf_tokenizer
+from autopar.data.instruction import load_hf_tokenizer, tokenizer_beside
 from autopar.errors import PlanError
 from autopar.serve.generate import Generator, new_tokens
 from autopar.train.launch import init_process_group
@@ -95,7 +95,7 @@ def generate_cmd(model: str, prompts: str, max_new_tokens: int, sample: bool,
     """
     import torch.distributed as dist
 
-    folder = tokenizer or (model if (Path(model) / "tokenizer_config.json").is_file() else None)
+    folder = tokenizer or tokenizer_beside(model)
     tok = None
     if folder is not None:
         tok = load_hf_tokenizer(folder)

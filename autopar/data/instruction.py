@@ -66,6 +66,15 @@ def load_hf_tokenizer(path: str | os.PathLike):
                         f"); pass the model's Hugging Face folder") from None
 
 
+def tokenizer_beside(model: object) -> Path | None:
+    """The model's own folder when it is a path holding a tokenizer (as a Hub download does),
+    else None."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    folder = Path(model)
+    return folder if (folder / "tokenizer_config.json").is_file() else None
+
+
 def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | os.PathLike,
                         seq: int, prompt_key: str = "prompt",
                         response_key: str = "response") -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.data.instruction import load_hf_tokenizer
+from autopar.data.instruction import load_hf_tokenizer, tokenizer_beside
 from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.serve.generate import Generator
@@ -42,8 +42,8 @@ class TextGenerationPipeline:
                                 "string instead of a list of messages")
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
                                                      tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys")
-                        else ids)
+            # transformers 5 returns a BatchEncoding, 4 a list of ids
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         raise PlanError(f"a prompt is a string or a list of {{'role', 'content'}} messages; got "
                         f"{type(prompt).__name__}")
 
@@ -92,11 +92,10 @@ def pipeline(task: str, model: nn.Module | str | Path, *, tokenizer: Any = None,
     if task not in TASKS:
         raise PlanError(f"unknown pipeline task {task!r}; autopar runs {', '.join(TASKS)}")
     if tokenizer is None:
-        folder = Path(model) if isinstance(model, (str, Path)) else None
-        if folder is None or not (folder / "tokenizer_config.json").is_file():
+        tokenizer = tokenizer_beside(model)
+        if tokenizer is None:
             raise PlanError("no tokenizer: the model is not a folder holding one; pass "
                             "tokenizer=FOLDER")
-        tokenizer = folder
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_hf_tokenizer(tokenizer)
     return TextGenerationPipeline(Generator(model, plan=plan, device=device), tokenizer)
