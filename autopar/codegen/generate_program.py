@@ -13,7 +13,10 @@ prompts, ...)`` for its data-parallel replica's share of the prompts.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
+from autopar.artifact import load_program
 from autopar.codegen.program import (
     _dict,
     _list,
@@ -240,7 +243,6 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None,
 
 
 def _generate(w: _Writer, plan: Plan) -> None:
-    pp = plan.mesh["pp"] > 1
     w.blank(2)
     w.line("@torch.no_grad()")
     w.line("def generate(model, stage, prompts, *, max_new_tokens=32, do_sample=False, "
@@ -251,43 +253,82 @@ def _generate(w: _Writer, plan: Plan) -> None:
     w.line("    Face's generate returns them: [batch, longest prompt + new]. Every rank of a "
            "replica calls it")
     w.line('    with the same prompts and gets the same tokens."""')
+    w.line("    device = next(model.parameters()).device")
+    w.line("    pad = eos_token_id if eos_token_id is not None else 0  # what a finished row "
+           "continues with")
+    w.line("    ids, mask = left_pad(prompts, pad)  # left-padded to the longest prompt")
+    w.line("    return decode(model, stage, ids.to(device), mask.to(device), "
+           "max_new_tokens=max_new_tokens,")
+    w.line("                  do_sample=do_sample, temperature=temperature, top_k=top_k, "
+           "top_p=top_p,")
+    w.line("                  eos_token_id=eos_token_id, pad_token_id=pad, seed=seed)")
+    w.blank(2)
+    for line in decode_text(plan.mesh["pp"] > 1).splitlines():
+        w.line(line)
+
+
+def decode_text(pipeline: bool) -> str:
+    """The source of the program's ``decode``: prefill, then one token at a time from the KV
+    cache. With ``pipeline``, the last stage's token is agreed on every pipeline rank.
+    :class:`autopar.serve.generate.Generator` runs this same text (:func:`decode_function`),
+    so the loop a generated program shows is the loop the library runs."""
     body = '''\
-device = next(model.parameters()).device
-pad = eos_token_id if eos_token_id is not None else 0  # what a finished row continues with
-ids, mask = left_pad(prompts, pad)  # left-padded to the longest prompt
-ids, mask = ids.to(device), mask.to(device)
-batch, width = ids.shape
-cache = new_cache(model.config, width + max_new_tokens, stage)
-position = (mask.cumsum(-1) - 1).clamp(min=0)  # counted from each row's first real token
-draws = torch.Generator(device=device).manual_seed(seed) if do_sample else None
-finished = torch.zeros(batch, dtype=torch.bool, device=device)
-out = [ids]
-with torch.autocast(device.type, dtype=AUTOCAST, enabled=AUTOCAST is not None):
-    # prefill: the whole prompt at once, filling every layer's cache (logits: last position)
-    logits = logits_of(model(input_ids=ids, attention_mask=mask, position_ids=position,
-                             cache=cache, use_cache=True, logits_to_keep=1))
-    position = position[:, -1:]
-    for step in range(max_new_tokens):
-        last = full(logits[:, -1])  # whole logits: every rank picks the same token
-        token = sample_next(last, temperature, top_k, top_p, draws) if do_sample \\
-            else last.argmax(-1)
+@torch.no_grad()
+def decode(model, stage, ids, mask, *, max_new_tokens, do_sample, temperature, top_k, top_p,
+           eos_token_id, pad_token_id, seed):
+    """ids, mask: left-padded prompts [batch, width] on the model's device; returns them
+    followed by the new tokens. A row that emits eos_token_id continues with pad_token_id."""
+    device = ids.device
+    batch, width = ids.shape
+    cache = new_cache(model.config, width + max_new_tokens, stage)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)  # counted from each row's first real token
+    draws = torch.Generator(device=device).manual_seed(seed) if do_sample else None
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    out = [ids]
+    with torch.autocast(device.type, dtype=AUTOCAST, enabled=AUTOCAST is not None):
+        # prefill: the whole prompt at once, filling every layer's cache (logits: last position)
+        logits = logits_of(model(input_ids=ids, attention_mask=mask, position_ids=position,
+                                 cache=cache, use_cache=True, logits_to_keep=1))
+        position = position[:, -1:]
+        for step in range(max_new_tokens):
+            last = full(logits[:, -1])  # whole logits: every rank picks the same token
+            token = sample_next(last, temperature, top_k, top_p, draws) if do_sample \\
+                else last.argmax(-1)
 '''
-    if pp:
+    if pipeline:
         body += '''\
-        token = stage.agree(token)  # the last stage's token, on every pipeline rank
+            token = stage.agree(token)  # the last stage's token, on every pipeline rank
 '''
     body += '''\
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, pad)
-            finished |= token == eos_token_id
-        out.append(token[:, None])
-        if step == max_new_tokens - 1 or bool(finished.all()):
-            break
-        # decode: the new token alone, reading every earlier key and value from the cache
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-        position = position + 1
-        logits = logits_of(model(input_ids=token[:, None], attention_mask=mask,
-                                 position_ids=position, cache=cache, use_cache=True))
-return torch.cat(out, dim=1)'''
-    for line in body.splitlines():
-        w.line(("    " + line) if line else "")
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, pad_token_id)
+                finished |= token == eos_token_id
+            out.append(token[:, None])
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            # decode: the new token alone, reading every earlier key and value from the cache
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            position = position + 1
+            logits = logits_of(model(input_ids=token[:, None], attention_mask=mask,
+                                     position_ids=position, cache=cache, use_cache=True))
+    return torch.cat(out, dim=1)
+'''
+    return body
+
+
+DECODE_IMPORTS = """\
+import torch
+
+from autopar.serve.generate import new_cache, sample_next
+from autopar.train.loss import full, logits_of
+"""
+
+
+@functools.cache  # one compiled loop per (pipeline, autocast)
+def decode_function(pipeline: bool, autocast: object = None) -> Callable:
+    """The program's ``decode`` (:func:`decode_text`) as a function, for a caller that holds a
+    model (and its pipeline stage) already laid out; ``autocast``: the compute dtype, or None
+    to run in the model's own dtype."""
+    module = load_program(DECODE_IMPORTS + "\n" + decode_text(pipeline), "decode.py")
+    module.AUTOCAST = autocast
+    return module.decode

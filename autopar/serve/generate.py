@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autopar.artifact import load_artifact
+from autopar.codegen.generate_program import decode_function
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source, describe_source
 from autopar.parallel.generate_stages import split_for_generation
@@ -28,7 +29,6 @@ from autopar.parallel.tensor_parallel import apply_tensor_parallel
 from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.train.checkpoint import artifact_checkpoint, latest_checkpoint, read_tensors
-from autopar.train.loss import full, logits_of
 from autopar.train.parallelize import parallelize
 
 
@@ -175,35 +175,11 @@ class Generator:
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else \
             attention_mask.to(self.device, torch.long)
-        batch, prompt = input_ids.shape
-        cache = new_cache(self.config, prompt + max_new_tokens, self.stage)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # from each row's first real token
-        generator = torch.Generator(device=self.device).manual_seed(seed) if do_sample \
-            else None
-        # the prompt's last position is the only one whose logits are read
-        logits = logits_of(self.model(input_ids=input_ids, attention_mask=mask,
-                                    position_ids=positions, cache=cache, use_cache=True,
-                                    logits_to_keep=1))
-        out = [input_ids]
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        position = positions[:, -1:]
-        for step in range(max_new_tokens):
-            last = full(logits[:, -1])
-            token = sample_next(last, temperature, top_k, top_p, generator) if do_sample \
-                else last.argmax(-1)
-            if self.stage is not None:  # the last stage's token on every rank
-                token = self.stage.agree(token)
-            if eos_token_id is not None:
-                token = token.masked_fill(finished, pad_token_id)
-                finished |= token == eos_token_id
-            out.append(token[:, None])
-            if step == max_new_tokens - 1 or bool(finished.all()):
-                break
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            position = position + 1
-            logits = logits_of(self.model(input_ids=token[:, None], attention_mask=mask,
-                                        position_ids=position, cache=cache, use_cache=True))
-        return torch.cat(out, dim=1)
+        # the loop a generated generate.py shows, run on this model (and stage) as it is
+        decode = decode_function(self.stage is not None)
+        return decode(self.model, self.stage, input_ids, mask, max_new_tokens=max_new_tokens,
+                      do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                      eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
 
 
 def load_model(model: nn.Module | str | Path, device: torch.device) -> nn.Module:
