@@ -4,26 +4,15 @@ serves a generation artifact (compiled with ``--task infer``) from its generate.
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from autopar.artifact import load_artifact
-from autopar.cli.generate_cmd import print_generated, read_prompts
-from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
 from autopar.plan.support import refuse_unsupported
-from autopar.serve.generate import check_sampling, check_servable, serve, serving_model
-from autopar.train.launch import (
-    join_job,
-    run_program,
-    run_settings,
-    teardown,
-    train_artifact,
-)
+from autopar.serve.launch import serve_artifact
+from autopar.train.launch import run_settings, train_artifact
 from autopar.train.options import RunOptions
 from autopar.train.run_flags import run_options
-from autopar.train.trainer import run_device
 
 
 @click.command("run")
@@ -58,54 +47,14 @@ def run_cmd(**params: object) -> None:
 
 def run(options: RunOptions) -> None:
     """``autopar run`` for parsed options: serve or train the artifact."""
-    directory, resume = options.directory, options.resume
+    directory = options.directory
     manifest, plan = load_artifact(directory)
     refuse_unsupported(plan)  # before any program is (re)generated
     if options.serving or plan.task == "infer":
-        if resume or options.init_from:
-            raise PlanError("--resume and --init-from are for training; --generate serves the "
-                            "artifact's latest checkpoint: drop them")
-        _serve(options, manifest, plan)
+        serve_artifact(options, manifest, plan)
         return
     if options.generation.prompts is not None:
         raise PlanError(f"--prompts goes with --generate, which serves an artifact compiled "
                         f"with --task infer; {directory} trains (task {plan.task})")
     hyper, held, window = run_settings(options)  # bad settings fail before any process group
     train_artifact(options, manifest, plan, hyper=hyper, held=held, window=window)
-
-
-def _serve(options: RunOptions, manifest: dict, plan) -> None:
-    """``autopar run DIR --generate``: every input checked first, then DIR/generate.py
-    (regenerated or kept as for train.py) serves the prompts under the plan's processes."""
-    directory, prompts, generation = options.directory, options.generation.prompts, \
-        options.generation
-    if plan.task != "infer":
-        raise PlanError(f"{directory} was compiled for --task {plan.task}; --generate serves an "
-                        f"artifact compiled with --task infer (autopar compile MODEL --task "
-                        f"infer --out DIR), or generate from this one with autopar generate "
-                        f"{directory} --prompts FILE")
-    if prompts is None:
-        raise PlanError(f"{directory} is a serving artifact (compiled with --task infer) and "
-                        f"needs prompts: autopar run {directory} --generate --prompts FILE")
-    check_servable(plan, manifest["model"])
-    check_sampling(generation.max_new_tokens, generation.sample, generation.temperature,
-                   generation.top_k, generation.top_p)
-    tok = None
-    if generation.tokenizer is not None:
-        tok = load_hf_tokenizer(generation.tokenizer)
-    ids = read_prompts(prompts, tok)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan.check_world_size(world)
-    program = run_program(directory, manifest, plan,
-                          needs=("build_mesh", "parallelize", "generate"))
-    kind = join_job(plan.cluster, options.device, world, options.timeout_s)
-    finished = False
-    try:
-        model = serving_model(directory, run_device(kind))
-        rows, seconds = serve(program, model, ids, device=kind,
-                              **generation.decoding(options.seed))
-        finished = True
-    finally:
-        teardown(world, finished)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print_generated(rows, tok, seconds)

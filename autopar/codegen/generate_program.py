@@ -72,14 +72,10 @@ def generate_program_text(plan: Plan, source: dict, *, model_name: str = "") -> 
     _parallelize(w, plan, layout, shared)
     _generate(w, plan)
     w.blank(2)
-    w.line('if __name__ == "__main__":  # launched as the docstring\'s Run: line says')
-    w.line("    import os")
-    w.line("    import sys")
-    w.blank()
-    w.line("    from autopar.cli import main")
-    w.blank()
-    w.line('    main(["run", os.path.dirname(os.path.abspath(__file__)), "--generate", '
-           '*sys.argv[1:]])')
+    w.line('if __name__ == "__main__":  # launched as the Run: line says; autopar run '
+           "--generate's options apply")
+    w.line("    with one_line_errors():  # a bad option or input: one line, exit code 2")
+    w.line("        serve_artifact(RunOptions.from_argv(__file__))")
     return w.text()
 
 
@@ -129,7 +125,10 @@ def _imports(w: _Writer, plan: Plan, source: dict, layout: TensorParallelLayout 
     w.line("from autopar.serve.generate import left_pad, new_cache, sample_next")
     if plan.mesh["pp"] > 1:
         w.line("from autopar.parallel.generate_stages import split_stages")
+    w.line("from autopar.serve.launch import serve_artifact")
+    w.line("from autopar.train.launch import one_line_errors")
     w.line("from autopar.train.loss import full, logits_of")
+    w.line("from autopar.train.options import RunOptions")
     autopar_style_imports(w, styles)
     w.blank()
     if source.get("kind") == "hf_config":

@@ -72,6 +72,22 @@ def test_compile_infer_then_run_generate(serving, prompts) -> None:
     assert sampled[0] == sampled[1] and len(_rows(sampled[0])) == len(PROMPTS)
 
 
+def test_generate_py_run_as_a_script_serves_as_autopar_run(serving, prompts) -> None:
+    """The program's own __main__ reads autopar run's options and checks the same inputs."""
+    import subprocess
+    import sys
+
+    script = [sys.executable, str(serving / "generate.py")]
+    ran = subprocess.run([*script, "--prompts", str(prompts), "--max-new-tokens", str(NEW)],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    expected = autopar.Generator("tiny-llama").generate(PROMPTS, max_new_tokens=NEW)
+    assert _rows(ran.stdout) == expected[:, -NEW:].tolist()
+    missing = subprocess.run([*script, "--prompts", str(prompts) + ".nope"],
+                             capture_output=True, text=True, timeout=300)
+    _assert_one_line_error(missing, "no such file")
+
+
 def test_plan_edits_regenerate_and_program_edits_are_kept(serving, prompts) -> None:
     art = serving
     program = art / "generate.py"
