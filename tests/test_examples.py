@@ -142,3 +142,14 @@ def test_train_eval_profile_cpu_example(tmp_path) -> None:
     rows = [ln.split()[:2] for ln in table.splitlines()[2:16]]  # 7 terms for each stage
     assert [r for r in rows if r[1] in ("step", "memory")] == \
         [["0", "step"], ["0", "memory"], ["1", "step"], ["1", "memory"]]
+
+
+def test_toy_parallelism_example(tmp_path) -> None:
+    """docs/architecture.md's worked example: the toy touches only the files it names, the
+    search chooses it, train.py calls it, and training with it equals training without."""
+    out = run("toy_parallelism/try_it.py", str(tmp_path))
+    assert ("files the toy adds or changes: cost/last_layer_gathered.py, "
+            "parallel/last_layer_gathered.py, plan/parallelisms.py\n") in out
+    assert "toy chosen: parallelisms {'last_layer_gathered': True}" in out
+    assert "last_layer_gathered.apply(model, mesh, plan, True)" in out
+    assert "toy off: parallelisms {}" in out and "same losses: True" in out

@@ -44,6 +44,7 @@ from autopar.parallel.tensor_parallel import (
 from autopar.peft import apply_peft
 from autopar.plan import Plan
 from autopar.plan.launch import on_each_node, plan_launch
+from autopar.plan.parallelisms import registered
 
 
 def program_text(plan: Plan, source: dict, *, model_name: str = "",
@@ -223,6 +224,9 @@ def _header(w: _Writer, plan: Plan, source: dict, model_name: str,
     torch_style_imports(w, styles)
     w.blank()
     w.line("from autopar.parallel import program_steps as ap")
+    for name in plan.parallelisms:  # registered parallelisms: their runtime modules
+        parent, _, leaf = registered(name).runtime.rpartition(".")
+        w.line(f"from {parent} import {leaf}")
     autopar_style_imports(w, styles or {})
     w.line("from autopar.train.launch import one_line_errors, train_artifact")
     w.line("from autopar.train.options import RunOptions")
@@ -500,6 +504,17 @@ def _shard_statements(w: _Writer, plan: Plan, target: str) -> None:
     w.line(f"    fully_shard({target}, **fsdp)")
 
 
+def _parallelism_statements(w: _Writer, plan: Plan, target: str) -> None:
+    """The registered parallelisms the plan chose, each its runtime's ``apply`` with the
+    plan's value (autopar.plan.parallelisms)."""
+    for name, value in plan.parallelisms.items():
+        p = registered(name)
+        leaf = p.runtime.rpartition(".")[2]
+        # the value through repr: a bool, int or str the plan's validation checked
+        w.line(f"    # {prose(p.what)} ({name} = {prose(repr(value))})")
+        w.line(f"    {leaf}.apply({target}, mesh, plan, {value!r})")
+
+
 def _call_lines(w: _Writer, opening: str, args: list[str], closing: str) -> None:
     """``opening`` + ``args`` + ``closing`` wrapped at 99 columns, continued under the first
     argument."""
@@ -535,6 +550,7 @@ def _parallelize(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) ->
         w.line("    ap.shard_experts(model, mesh, plan, experts)")
     else:
         _shard_statements(w, plan, "model")
+    _parallelism_statements(w, plan, "model")
     w.line("    return model")
 
 
@@ -557,6 +573,7 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
         w.line("    ap.shard_experts(stage, mesh, plan, experts)")
     else:
         _shard_statements(w, plan, "stage")
+    _parallelism_statements(w, plan, "stage")
     w.line("    return stage")
 
 

@@ -17,6 +17,7 @@ from autopar.errors import PlanError
 from autopar.peft import parse_peft
 from autopar.plan.launch import plan_launch
 from autopar.plan.model_facts import ModelFacts
+from autopar.plan.parallelisms import check_value
 from autopar.plan.placement import Placement, parse_placements
 from autopar.plan.schema import check_plan_file
 from autopar.plan.tp_entries import validate_tp_entries
@@ -142,6 +143,8 @@ class Plan:
     # the parameters it trains (the rest are frozen)
     peft: dict = field(default_factory=dict)
     trainable_params: int = 0
+    # registered parallelisms (autopar.plan.parallelisms) and the values the search chose
+    parallelisms: dict[str, bool | int | str] = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -154,6 +157,8 @@ class Plan:
         d = asdict(self)
         d["model"] = self.model.to_dict()
         d = {"version": d.pop("version"), **d}
+        if not d["parallelisms"]:
+            del d["parallelisms"]  # plans without them read as before
         return d
 
     def save(self, path: str | Path) -> Path:
@@ -244,6 +249,11 @@ class Plan:
             raise PlanError(f"{where}: stages end at block {expect} but the model has {nblocks}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"{where}: zero_stage must be 0-3, got {self.zero_stage}")
+        for name, value in self.parallelisms.items():
+            check_value(name, value, f"{where}: parallelisms")
+        if self.parallelisms and self.task == "infer":
+            raise PlanError(f"{where}: parallelisms are for training plans; remove them from "
+                            f"this serving plan")
         if self.peft:
             parse_peft(dict(self.peft))  # one line naming the bad setting
         if self.precision:

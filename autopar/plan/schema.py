@@ -124,6 +124,7 @@ class PlanFile(TypedDict, total=False):
     cp_mode: Literal["ring", "alltoall", "hybrid", "allgather"]
     peft: dict
     trainable_params: Count
+    parallelisms: dict[Word, bool | int | Word]
 
 
 _PLAN_FILE = TypeAdapter(PlanFile)

@@ -21,6 +21,7 @@ from autopar.plan.shape import model_shape, shape_mismatch
 from autopar.search import record
 from autopar.search.constraints import load_constraints
 from autopar.search.cp_rival import rival_record
+from autopar.search.parallelisms import choose_parallelisms, registered_pins
 from autopar.search.placements import placements
 from autopar.search.planner import SearchResult, search
 from autopar.search.serving import max_concurrency, serving_plan_search
@@ -86,6 +87,7 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if not isinstance(devices, int) or devices < 1:
         raise PlanError(f"devices must be a positive integer, got {devices!r}")
     pins = load_constraints(constraints)
+    parallelism_pins = registered_pins(pins)  # chosen after the search, on its plan
     if global_batch is None:
         global_batch = default_global_batch(pins, devices)
     else:
@@ -143,6 +145,7 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if task == "finetune":
         plan.peft = dict(graph.peft)
         plan.trainable_params = facts.trainable_params
+    choose_parallelisms(plan, graph, hw, result.config, parallelism_pins, capacity)
     chosen = [sol for sol in sharding if sol.tp == plan.mesh["tp"]]
     plan.solver["sharding"] = {
         f"block type {sol.type_id}": {"status": sol.status, "objective_s": round6(sol.objective_s),

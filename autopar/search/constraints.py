@@ -36,6 +36,7 @@ from autopar.errors import PlanError
 from autopar.plan.deepspeed import constraints_from_deepspeed, is_deepspeed
 from autopar.plan.megatron import constraints_from_megatron, is_megatron
 from autopar.plan.mindformers import constraints_from_mindformers, is_mindformers
+from autopar.plan.parallelisms import check_value, registered, registered_names
 from autopar.plan.shape import SHAPE_KEYS
 
 INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
@@ -131,8 +132,12 @@ def _pins(data: dict, where: str) -> dict:
     for key, value in data.items():
         if key in _IGNORED:
             continue
+        if key not in KEYS and registered(key) is not None:  # a registered parallelism
+            pins[key] = check_value(key, value, where)
+            continue
         if key not in KEYS:
-            raise PlanError(f"{where}: unknown constraint '{key}'; use {', '.join(KEYS)}")
+            raise PlanError(f"{where}: unknown constraint '{key}'; use "
+                            f"{', '.join([*KEYS, *registered_names()])}")
         pins[key] = _check(key, value, where)
     return pins
 
