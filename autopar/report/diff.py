@@ -39,6 +39,7 @@ def plan_diff(a: Plan, b: Plan) -> dict:
         add(name, getattr(a, name), getattr(b, name))
     add("recompute", _modes(a), _modes(b))
     add("offload", fmt.offload(a.offload), fmt.offload(b.offload))
+    add("parallelisms", a.parallelisms or "none", b.parallelisms or "none")
     add("stages", a.stages, b.stages)
     add("memory limit", a.memory_limit_bytes, b.memory_limit_bytes)
     add("constraints", _pinned(a), _pinned(b))

@@ -54,6 +54,9 @@ def summary_section(d: dict) -> Section:
     ]
     if s.get("serving"):
         pairs = _serving_pairs(s) + pairs[-2:]
+    if s.get("parallelisms"):  # registered parallelisms the search chose (with their price)
+        pairs.insert(6, ("on top", ", ".join(f"{k}={v!r}"
+                                              for k, v in s["parallelisms"].items())))
     if s["host_bytes_per_node"]:
         pairs.append(("host memory", f"{fmt.nbytes(s['host_bytes_per_node'])} per node "
                                      f"(offloaded state)"))

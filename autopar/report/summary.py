@@ -229,6 +229,7 @@ def report_data(plan: Plan) -> dict:
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "zero_stage": plan.zero_stage, "zero": _ZERO.get(plan.zero_stage, "?"),
             "recompute": plan.recompute_counts(), "offload": list(plan.offload),
+            "parallelisms": dict(plan.parallelisms),
             "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
             "throughput_unit": throughput_unit(plan),
             "bubble_s": p.bubble_s, "memory": dict(p.memory), "memory_limit_bytes": limit,

@@ -113,3 +113,14 @@ def test_a_record_refuses_names_that_are_not_identifiers() -> None:
         Parallelism("bad name", (0, 1), "tests.x", _supported, _price, "")
     with pytest.raises(ValueError, match="at least two values"):
         Parallelism("one", (0,), "tests.x", _supported, _price, "")
+
+
+def test_the_report_and_diff_show_the_choice(fake, graph) -> None:
+    from autopar.report import render
+    from autopar.report.diff import plan_diff
+
+    chosen, off = _plan(graph), _plan(graph, "dp=2,fake_depth=0")
+    assert "fake_depth=2" in render(chosen, "text")
+    assert "fake_depth" not in render(off, "text")
+    changes = {c["field"]: (c["a"], c["b"]) for c in plan_diff(chosen, off)["changes"]}
+    assert changes["parallelisms"] == ({"fake_depth": 2}, "none")
