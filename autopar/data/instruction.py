@@ -2,7 +2,9 @@
 the plan's sequence length, with a loss mask so that only response tokens are trained.
 
 Each JSON line holds ``prompt`` and ``response`` (or Alpaca's ``instruction``, optional
-``input`` and ``output``). A pair becomes ``tokenizer(prompt)`` (its special tokens
+``input`` and ``output``), or a conversation: ``messages``, a list of ``{"role", "content"}``
+turns as Hugging Face chat data holds them, rendered by the tokenizer's own chat template, the
+loss on the assistant turns (:func:`chat_ids_and_mask`). A pair becomes ``tokenizer(prompt)`` (its special tokens
 included, as the model was trained) followed by ``tokenizer(response)`` without special
 tokens and the end-of-sequence id. Pairs are packed whole, in order, into rows of exactly
 ``seq + 1`` tokens (a pair longer than a row is cut at the row's end); the rest of a row is
@@ -42,6 +44,50 @@ def _pair(record: object, where: str, prompt_key: str, response_key: str) -> tup
         raise PlanError(f"{where}: needs string fields {prompt_key!r} and {response_key!r} "
                         f"(or instruction/output); it has {sorted(record)}")
     return prompt, response
+
+
+def chat_ids_and_mask(tok, messages: object, where: str) -> tuple[list[int], list[int]]:
+    """A conversation's token ids through the tokenizer's own chat template, and its loss mask:
+    1 on each assistant turn from its content's first character to the end of its rendered
+    turn (the template's end-of-turn text, trailing whitespace excepted), 0 on the system and
+    user turns and on the template's role headers. The ids are exactly
+    ``tok.apply_chat_template(messages, tokenize=True)``."""
+    if not isinstance(messages, list) or not messages or any(
+            not isinstance(m, dict) or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str) for m in messages):
+        raise PlanError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., "
+                        f"\"content\": ...}} objects with string values")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise PlanError(f"{where}: a conversation with no assistant turn has nothing to train; "
+                        f"add one or drop the line")
+    if not getattr(tok, "chat_template", None):
+        raise PlanError(f"{where}: a conversation needs the tokenizer's chat template, and this "
+                        f"tokenizer has none; use prompt/response pairs, or a tokenizer folder "
+                        f"whose tokenizer_config.json holds a chat_template")
+    if not getattr(tok, "is_fast", False):
+        raise PlanError(f"{where}: conversations need a fast tokenizer (tokenizer.json), to "
+                        f"map the template's text to tokens")
+
+    def render(turns: list) -> str:
+        return tok.apply_chat_template(turns, tokenize=False) if turns else ""
+
+    text = render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i]), render(messages[:i + 1])
+        start = upto.find(m["content"], len(before)) if m["content"] else -1
+        if not text.startswith(upto) or not upto.startswith(before) or start < 0:
+            raise PlanError(f"{where}: this chat template does not render a conversation as "
+                            f"its turns one after another, with each assistant message as "
+                            f"given; autopar cannot tell which tokens are the assistant's")
+        spans.append((start, len(upto.rstrip())))
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    mask = [int(any(a <= s and e <= b for a, b in spans) and e > s)
+            for s, e in encoded["offset_mapping"]]
+    return ids, mask
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
@@ -114,10 +160,13 @@ def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | o
                 except json.JSONDecodeError:
                     raise PlanError(f"{where}: not valid JSON; each line must be one object "
                                     f"with {prompt_key!r} and {response_key!r}") from None
-                prompt, response = _pair(record, where, prompt_key, response_key)
-                ids_p = tok(prompt)["input_ids"]
-                ids_r = tok(response, add_special_tokens=False)["input_ids"] + [eos]
-                ids, mask = ids_p + ids_r, [0] * len(ids_p) + [1] * len(ids_r)
+                if isinstance(record, dict) and "messages" in record:  # a conversation
+                    ids, mask = chat_ids_and_mask(tok, record["messages"], where)
+                else:
+                    prompt, response = _pair(record, where, prompt_key, response_key)
+                    ids_p = tok(prompt)["input_ids"]
+                    ids_r = tok(response, add_special_tokens=False)["input_ids"] + [eos]
+                    ids, mask = ids_p + ids_r, [0] * len(ids_p) + [1] * len(ids_r)
                 if len(ids) > width:
                     ids, mask = ids[:width], mask[:width]
                     cut += 1

@@ -153,3 +153,76 @@ def test_tokenizers_load_with_local_files_only(tokenizer_folder, tmp_path, monke
     with pytest.raises(PlanError, match="cannot load a tokenizer"):
         load_hf_tokenizer(empty)
     assert seen[-1].get("local_files_only") is True
+
+
+# a chat template with Hugging Face's generation markers: its own assistant mask
+# (return_assistant_tokens_mask) is what the loss must cover, content and end-of-turn token
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<s>assistant: {% generation %}"
+    "{{ m['content'] }}</s>{% endgeneration %}\n{% else %}<s>{{ m['role'] }}: "
+    "{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+CHATS = [[{"role": "system", "content": "you add"},
+          {"role": "user", "content": f"what is {a} plus {b}?"},
+          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+          {"role": "user", "content": f"what is {b} plus {a}?"},
+          {"role": "assistant", "content": f"{b} plus {a} is {a + b}."}]
+         for a in range(3) for b in range(2)]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer_folder, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tok.chat_template = CHAT_TEMPLATE
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_conversations_train_exactly_the_templates_assistant_tokens(chat_tokenizer,
+                                                                     tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from autopar.data.instruction import chat_ids_and_mask
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    for chat in CHATS:
+        own = tok.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        ids, mask = chat_ids_and_mask(tok, chat, "chat")
+        assert ids == list(own["input_ids"])
+        assert mask == list(own["assistant_masks"]) and 0 < sum(mask) < len(mask)
+    # prepared and packed as pairs are: the rows hold the template's ids, the mask its turns
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n"
+                                                 for c in CHATS))
+    stats = prepare_instruction([tmp_path / "chat.jsonl"], tmp_path / "chat", chat_tokenizer,
+                                256)
+    assert stats["cut"] == 0
+    ds = TokenDataset(tmp_path / "chat")
+    first, first_mask = chat_ids_and_mask(tok, CHATS[0], "chat")
+    assert list(ds.document(0)[:len(first)]) == first
+    assert list(ds.mask[:len(first)]) == first_mask
+    assert stats["pairs"] == len(CHATS) and stats["trained_tokens"] == sum(
+        sum(chat_ids_and_mask(tok, c, "chat")[1]) for c in CHATS)
+
+
+def test_bad_conversations_fail_in_one_line(tokenizer_folder, chat_tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    from autopar.data.instruction import chat_ids_and_mask
+
+    plain = AutoTokenizer.from_pretrained(tokenizer_folder)
+    chat = AutoTokenizer.from_pretrained(chat_tokenizer)
+    turns = CHATS[0]
+    for tok, messages, message in (
+            (plain, turns, "needs the tokenizer's chat template"),
+            (chat, turns[:2], "no assistant turn"),
+            (chat, [{"role": "user"}], "must be a non-empty list"),
+            (chat, "hello", "must be a non-empty list")):
+        with pytest.raises(autopar.PlanError, match=message):
+            chat_ids_and_mask(tok, messages, "x.jsonl:1")
+    chat.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(autopar.PlanError, match="cannot tell which tokens"):
+        chat_ids_and_mask(chat, turns, "x.jsonl:1")
