@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopar.cost.context_parallel import all_to_all_ranks
+from autopar.cost.hardware import load_cluster
+
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
@@ -37,4 +40,12 @@ def context_parallel_statements(w, plan: Plan) -> None:
            "each rank holds chunks i and 2cp-1-i of")
     w.line("    # every sequence; attention sees the whole sequence, global position ids feed "
            "the rotary tables")
-    w.line("    ap.context_parallel(model, mesh, plan.cp_mode)")
+    if plan.cp_mode == "hybrid":  # the cost model's split: the cp ranks of one node
+        cluster = load_cluster(plan.cluster)
+        a2a = all_to_all_ranks(plan.mesh["cp"], "hybrid", plan.mesh["tp"], plan.mesh["ep"],
+                               cluster.devices_per_node)
+        w.line(f"    # hybrid: all-to-all inside groups of {a2a} cp ranks (one node's), a ring "
+               f"across the groups")
+        w.line(f"    ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks={a2a})")
+    else:
+        w.line("    ap.context_parallel(model, mesh, plan.cp_mode)")

@@ -1,7 +1,9 @@
 """Context parallelism applied to a model: each of the ``cp`` ranks holds a load-balanced
 share of every sequence (:mod:`autopar.parallel.cp_layout`), runs everything token-wise on it
-as usual, and attention over the whole sequence by ring (:mod:`autopar.parallel.ring_attention`)
-or all-to-all (:mod:`autopar.parallel.alltoall_attention`) over the cp process group.
+as usual, and attention over the whole sequence by ring (:mod:`autopar.parallel.ring_attention`),
+all-to-all (:mod:`autopar.parallel.alltoall_attention`) or both (all-to-all inside groups of
+cp ranks, a ring across them: :mod:`autopar.parallel.hybrid_attention`) over the cp process
+group.
 
 Hugging Face decoders (Llama, Qwen2, Mistral, ...) get the cp attention through transformers'
 attention interface (registered under :data:`CP_ATTENTION`, selected with
@@ -25,24 +27,28 @@ from autopar.models.gpt import GPT, Attention
 from autopar.parallel.alltoall_attention import alltoall_attention, alltoall_heads_refusal
 from autopar.parallel.cp_layout import global_positions, shard_sequence
 from autopar.parallel.cp_sdpa import hook_sdpa
+from autopar.parallel.hybrid_attention import hybrid_attention, hybrid_groups
 from autopar.parallel.ring_attention import ring_attention
 
 # the name the cp attention is registered under in transformers' AttentionInterface
 CP_ATTENTION = "autopar_context_parallel"
 # the attribute of each attention module (and of the model) holding its ContextParallel
 CP_ATTR = "_autopar_context_parallel"
-RUNS_MODES = ("ring", "alltoall")
+RUNS_MODES = ("ring", "alltoall", "hybrid")
 
 
 @dataclass(frozen=True)
 class ContextParallel:
     """This rank's place in context parallelism: the cp process group, its rank in it, the
-    degree and the mode (ring | alltoall)."""
+    degree and the mode (ring | alltoall | hybrid; for hybrid, this rank's all-to-all and ring
+    groups)."""
 
     group: object
     rank: int
     size: int
     mode: str
+    inner: object = None
+    outer: object = None
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's share of ``tensor`` (input ids, labels, ...) along the sequence."""
@@ -55,6 +61,8 @@ class ContextParallel:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float | None = None, causal: bool = True) -> torch.Tensor:
         """Attention over the whole sequence for this rank's queries (B, H, S/cp, D)."""
+        if self.mode == "hybrid":
+            return hybrid_attention(q, k, v, self.inner, self.outer, scale=scale, causal=causal)
         attend = ring_attention if self.mode == "ring" else alltoall_attention
         return attend(q, k, v, self.group, scale=scale, causal=causal)
 
@@ -107,27 +115,37 @@ def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> ContextParallel:
+def _context_parallel(group, mode: str, all_to_all_ranks: int) -> ContextParallel:
+    inner = outer = None
+    if mode == "hybrid":
+        inner, outer = hybrid_groups(group, all_to_all_ranks)
+    return ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode,
+                           inner, outer)
+
+
+def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1,
+                           all_to_all_ranks: int = 0) -> ContextParallel:
     """Lay ``model`` (a Hugging Face decoder, or autopar's GPT) out for context parallelism
     over the process ``group`` in ``mode``: its attention becomes the cp attention, its
     forward gets global position ids. Returns (and records on the model) this rank's
     :class:`ContextParallel`. ``tp``: the tensor-parallel degree (all-to-all splits each tp
-    rank's heads over cp)."""
+    rank's heads over cp); ``all_to_all_ranks``: hybrid's all-to-all group size."""
     if mode not in RUNS_MODES:
-        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring and "
-                        f"alltoall; re-plan with constraints cp_mode=ring or alltoall")
+        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring, alltoall "
+                        f"and hybrid; re-plan with one of them")
     if isinstance(model, GPT):
-        return _apply_to_gpt(model, group, mode, tp)
+        return _apply_to_gpt(model, group, mode, tp, all_to_all_ranks)
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise PlanError(f"context parallelism hooks Hugging Face decoders' and autopar's GPT's "
                         f"attention; {type(model).__name__} is neither: re-plan with "
                         f"constraints cp=1")
-    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
-    if mode == "alltoall":
+    cp = _context_parallel(group, mode, all_to_all_ranks)
+    if mode in ("alltoall", "hybrid"):
         heads = getattr(config, "num_attention_heads", 0) // tp
         kv = (getattr(config, "num_key_value_heads", None) or heads * tp) // tp
-        reason = alltoall_heads_refusal(heads, kv, cp.size)
+        reason = alltoall_heads_refusal(heads, kv, cp.size if mode == "alltoall"
+                                        else all_to_all_ranks)
         if reason is not None:
             raise PlanError(reason)
     from transformers import AttentionInterface
@@ -152,7 +170,8 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1) -> C
     return cp
 
 
-def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int) -> ContextParallel:
+def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int,
+                  all_to_all_ranks: int) -> ContextParallel:
     """autopar's GPT: its attention's causal SDPA call runs the cp attention
     (:mod:`autopar.parallel.cp_sdpa`); its learned positions read the global positions."""
 
@@ -160,9 +179,10 @@ def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int) -> ContextParalle
         raise PlanError("context parallelism replaces the GPT's scaled_dot_product_attention "
                         "call; this one computes attention by hand (fused_attention=False): "
                         "set fused_attention=True or re-plan with constraints cp=1")
-    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode)
+    cp = _context_parallel(group, mode, all_to_all_ranks)
     heads = model.cfg.n_heads // tp
-    reason = alltoall_heads_refusal(heads, heads, cp.size) if mode == "alltoall" else None
+    degree = {"alltoall": cp.size, "hybrid": all_to_all_ranks}.get(mode)
+    reason = alltoall_heads_refusal(heads, heads, degree) if degree else None
     if reason is not None:
         raise PlanError(reason)
     for module in model.modules():

@@ -167,10 +167,13 @@ def expert_zero_optimizer(param_groups: list[dict], mesh: DeviceMesh, optimizer_
     return _optimizer(param_groups, mesh, optimizer_class, **defaults)
 
 
-def context_parallel(model: nn.Module, mesh: DeviceMesh, mode: str) -> None:
-    """Give ``model`` its context-parallel attention (``mode``: ring | alltoall) over
-    ``mesh["cp"]``, and global position ids for its share of each sequence."""
-    apply_context_parallel(model, _axis(mesh, "cp").group, mode, _axis(mesh, "tp").size)
+def context_parallel(model: nn.Module, mesh: DeviceMesh, mode: str,
+                     all_to_all_ranks: int = 0) -> None:
+    """Give ``model`` its context-parallel attention (``mode``: ring | alltoall | hybrid, the
+    last with all-to-all inside groups of ``all_to_all_ranks`` cp ranks) over ``mesh["cp"]``,
+    and global position ids for its share of each sequence."""
+    apply_context_parallel(model, _axis(mesh, "cp").group, mode, _axis(mesh, "tp").size,
+                           all_to_all_ranks)
 
 
 def single_process_mesh(device: str) -> DeviceMesh:

@@ -39,8 +39,14 @@ def _compare_attention(mode: str, kv_heads: int) -> dict[str, float]:
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                enable_gqa=kv_heads != heads)
     mine = [shard_sequence(t, me, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    attend = ring_attention if mode == "ring" else alltoall_attention
-    result = attend(*mine, dist.group.WORLD)
+    if mode == "hybrid":  # all-to-all inside pairs of ranks, a ring across the pairs
+        from autopar.parallel.hybrid_attention import hybrid_attention, hybrid_groups
+
+        inner, outer = hybrid_groups(dist.group.WORLD, 2)
+        result = hybrid_attention(*mine, inner, outer)
+    else:
+        attend = ring_attention if mode == "ring" else alltoall_attention
+        result = attend(*mine, dist.group.WORLD)
     result.backward(shard_sequence(grad, me, cp, dim=2))
     diffs = {"out": (result - shard_sequence(reference, me, cp, dim=2)).abs().max()}
     for name, local, full in zip("qkv", mine, whole, strict=True):
@@ -59,6 +65,14 @@ def test_cp_attention_equals_whole_sequence_causal_sdpa(world: int, mode: str,
     causal SDPA over the whole sequence (grouped-query attention: 2 key/value heads for 4
     query heads; under all-to-all on 4 ranks they are replicated per query head)."""
     diffs = spawn_ranks(_attention_rank, world, (world, mode, kv_heads))[0]
+    assert max(diffs.values()) < 1e-5, diffs
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_hybrid_cp_attention_equals_whole_sequence_causal_sdpa(kv_heads: int) -> None:
+    """cp=4 as two all-to-all pairs and a ring across them: forward and q/k/v gradients of
+    each rank's share within 1e-5 of whole-sequence causal SDPA, as ring and all-to-all."""
+    diffs = spawn_ranks(_attention_rank, 4, (4, "hybrid", kv_heads))[0]
     assert max(diffs.values()) < 1e-5, diffs
 
 
@@ -173,14 +187,20 @@ def reference() -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("pins", [dict(cp=2, cp_mode="ring"), dict(cp=2, cp_mode="alltoall"),
-                                  dict(cp=4, cp_mode="ring")],
-                         ids=["cp2-ring", "cp2-alltoall", "cp4-ring"])
+                                  dict(cp=4, cp_mode="ring"), dict(cp=4, cp_mode="hybrid")],
+                         ids=["cp2-ring", "cp2-alltoall", "cp4-ring", "cp4-hybrid"])
 def test_parallelize_context_parallel_in_your_own_loop(pins: dict, reference) -> None:
     """Tiny Llama (4 query heads, 2 key/value heads) at 256 tokens, the plan drawn with cp
     pinned, applied by autopar.parallelize: losses over 4 steps and the first step's
     gradients equal one process's."""
     plan = _llama_plan(pins["cp"], **pins)
     assert (plan.mesh["cp"], plan.cp_mode) == (pins["cp"], pins["cp_mode"])
+    if plan.cp_mode == "hybrid":  # the "cpu" cluster's 2 devices per node: pairs, and a ring
+        from autopar.codegen import program_text
+        from autopar.models.source import describe_source
+
+        text = program_text(plan, describe_source("tiny-llama"))
+        assert "ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks=2)" in text
     got = spawn_ranks(_llama_rank, plan.devices, (plan.devices, plan.to_dict()))[0]
     print("max loss diff, max grad diff:", _assert_equal_to_one_process(got, reference))
 
@@ -267,7 +287,7 @@ def test_layout_round_trips_and_pairs_early_with_late_chunks() -> None:
 
 
 def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
-    """Modes it prices but does not run, pipelines, experts, indivisible sequences and heads,
+    """The mode it prices but does not run (allgather), pipelines, experts, indivisible sequences and heads,
     and models whose attention it cannot hook: each a one-line PlanError or reason."""
     from autopar.errors import PlanError
     from autopar.models import GPT, GPTConfig
@@ -278,7 +298,7 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
 
     assert context_parallel_refusal("autopar", 2, "ring") is None
     assert context_parallel_refusal("autopar", 4, "alltoall") is None
-    assert "cp_mode=hybrid" in context_parallel_refusal("autopar", 2, "hybrid")
+    assert context_parallel_refusal("autopar", 4, "hybrid") is None  # run since this stop
     assert "cp_mode=allgather" in context_parallel_refusal("autopar", 2, "allgather")
     assert "pipeline" in context_parallel_refusal("autopar", 2, "ring", pp=2)
     assert context_parallel_refusal("megatron", 2, "hybrid") is None  # exported, not run
@@ -300,8 +320,8 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
                             fused_attention=False))
     with pytest.raises(PlanError, match="fused_attention=True"):
         apply_context_parallel(unfused, None, "ring")
-    with pytest.raises(PlanError, match="runs ring and alltoall"):
-        apply_context_parallel(unfused, None, "hybrid")
+    with pytest.raises(PlanError, match="runs ring, alltoall and hybrid"):
+        apply_context_parallel(unfused, None, "allgather")
 
 
 def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
