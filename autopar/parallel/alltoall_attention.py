@@ -35,19 +35,33 @@ def _to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return unshard_sequence(AllToAll.apply(x, group, 1, 2), cp, dim=2)
 
 
+def heads_of_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v re-sharded from this rank's share of the sequence to its share of the heads
+    over the whole sequence of the ranks of ``group`` (in global order), key/value heads
+    replicated per query head when too few to split; a one-line PlanError when the query
+    heads do not divide."""
+    n = dist.get_world_size(group)
+    reason = alltoall_heads_refusal(q.shape[1], k.shape[1], n)
+    if reason is not None:
+        raise PlanError(reason)
+    if k.shape[1] % n:  # too few key/value heads to split: one copy per query head
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return tuple(_to_heads(t, group, n) for t in (q, k, v))
+
+
+def back_to_sequence(out: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`heads_of_group` for the attention's output."""
+    return AllToAll.apply(reshard_sequence(out, dist.get_world_size(group), dim=2), group, 2, 1)
+
+
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                        scale: float | None = None, causal: bool = True) -> torch.Tensor:
     """Attention of this cp rank's share of the sequence (q (B, Hq, S/cp, D), k and v
     (B, Hkv, S/cp, D), laid out by :mod:`autopar.parallel.cp_layout`) against the whole
     sequence, by all-to-all over the cp process ``group``; returns (B, Hq, S/cp, D)."""
-    cp = dist.get_world_size(group)
-    reason = alltoall_heads_refusal(q.shape[1], k.shape[1], cp)
-    if reason is not None:
-        raise PlanError(reason)
-    if k.shape[1] % cp:  # too few key/value heads to split: one copy per query head
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    qh, kh, vh = (_to_heads(t, group, cp) for t in (q, k, v))
+    qh, kh, vh = heads_of_group(q, k, v, group)
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
                                          enable_gqa=qh.shape[1] != kh.shape[1])
-    return AllToAll.apply(reshard_sequence(out, cp, dim=2), group, 2, 1)
+    return back_to_sequence(out, group)

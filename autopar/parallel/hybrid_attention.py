@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.parallel.alltoall_attention import alltoall_heads_refusal
-from autopar.parallel.cp_comm import AllToAll
-from autopar.parallel.cp_layout import reshard_sequence, unshard_sequence
+from autopar.parallel.alltoall_attention import back_to_sequence, heads_of_group
 from autopar.parallel.ring_attention import ring_attention
 
 
@@ -47,15 +45,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, o
     """Attention of this cp rank's share of the sequence (q (B, Hq, S/cp, D), k and v
     (B, Hkv, S/cp, D), laid out by :mod:`autopar.parallel.cp_layout`) against the whole
     sequence: all-to-all over ``inner``, ring over ``outer`` (:func:`hybrid_groups`)."""
-    a = dist.get_world_size(inner)
-    reason = alltoall_heads_refusal(q.shape[1], k.shape[1], a)
-    if reason is not None:
-        raise PlanError(reason)
-    if k.shape[1] % a:  # too few key/value heads to split: one copy per query head
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # the group's shares on this rank's heads, laid out as ring rank g's two chunks
-    qh, kh, vh = (unshard_sequence(AllToAll.apply(t, inner, 1, 2), a, dim=2)
-                  for t in (q, k, v))
+    qh, kh, vh = heads_of_group(q, k, v, inner)
     out = ring_attention(qh, kh, vh, outer, scale=scale, causal=causal)
-    return AllToAll.apply(reshard_sequence(out, a, dim=2), inner, 2, 1)
+    return back_to_sequence(out, inner)
