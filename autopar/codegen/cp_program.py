@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.context_parallel import all_to_all_ranks
 from autopar.cost.hardware import load_cluster
+from autopar.errors import PlanError
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -34,16 +35,28 @@ def context_parallel_mesh(w) -> None:
            "gradients: over dp x cp")
 
 
+def hybrid_split(plan: Plan) -> int:
+    """The all-to-all group size of a hybrid plan: the cost model's, the cp ranks of one node
+    (1 or every cp rank: it runs as the ring or the all-to-all, as priced). A size that does
+    not divide cp is a one-line PlanError."""
+    cp = plan.mesh["cp"]
+    a2a = all_to_all_ranks(cp, "hybrid", plan.mesh["tp"], plan.mesh["ep"],
+                           load_cluster(plan.cluster).devices_per_node)
+    if cp % a2a:
+        raise PlanError(f"cp_mode=hybrid puts the {a2a} cp ranks of a node in one all-to-all "
+                        f"group, which does not divide cp={cp}; re-plan with cp_mode=ring or "
+                        f"a cp that {a2a} divides")
+    return a2a
+
+
 def context_parallel_statements(w, plan: Plan) -> None:
     """The ``parallelize`` lines that give the model its context-parallel attention."""
     w.line(f"    # context parallelism over mesh[\"cp\"] ({plan.mesh['cp']} ranks, {plan.cp_mode}): "
            "each rank holds chunks i and 2cp-1-i of")
     w.line("    # every sequence; attention sees the whole sequence, global position ids feed "
            "the rotary tables")
-    if plan.cp_mode == "hybrid":  # the cost model's split: the cp ranks of one node
-        cluster = load_cluster(plan.cluster)
-        a2a = all_to_all_ranks(plan.mesh["cp"], "hybrid", plan.mesh["tp"], plan.mesh["ep"],
-                               cluster.devices_per_node)
+    if plan.cp_mode == "hybrid":
+        a2a = hybrid_split(plan)
         w.line(f"    # hybrid: all-to-all inside groups of {a2a} cp ranks (one node's), a ring "
                f"across the groups")
         w.line(f"    ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks={a2a})")

@@ -117,6 +117,10 @@ def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position
 
 def _context_parallel(group, mode: str, all_to_all_ranks: int) -> ContextParallel:
     inner = outer = None
+    size = dist.get_world_size(group)
+    if mode == "hybrid" and all_to_all_ranks in (0, 1, size):
+        # an all-to-all of one rank is the ring, of every cp rank the all-to-all (as priced)
+        mode = "alltoall" if all_to_all_ranks == size else "ring"
     if mode == "hybrid":
         inner, outer = hybrid_groups(group, all_to_all_ranks)
     return ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode,

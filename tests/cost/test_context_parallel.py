@@ -108,10 +108,10 @@ def test_a_pinned_cp_is_priced_saved_and_refused_by_compile_in_a_mode_it_does_no
     assert loaded.mesh["cp"] == 2 and loaded.cp_mode == "ring"
     assert "cp=2" in plan.report() and "ring attention" in plan.report()
     out = tmp_path / "artifact"
-    # the runtime runs ring and alltoall; hybrid is priced and exported (Megatron), not run
-    hybrid = dataclasses.replace(plan, cp_mode="hybrid")
-    with pytest.raises(autopar.PlanError, match="cp_mode=hybrid"):
-        autopar.compile("llama3-8b", None, hybrid, out)
+    # the runtime runs ring, alltoall and hybrid; allgather is priced and exported, not run
+    allgather = dataclasses.replace(plan, cp_mode="allgather")
+    with pytest.raises(autopar.PlanError, match="cp_mode=allgather"):
+        autopar.compile("llama3-8b", None, allgather, out)
     assert not out.exists()
     # the free search weighs cp with the other axes: never slower than this pinned plan
     # (beyond the robust choice's 3%)
