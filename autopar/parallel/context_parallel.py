@@ -58,6 +58,20 @@ class ContextParallel:
         """The global position ids (1, local_tokens) of this rank's tokens."""
         return global_positions(local_tokens * self.size, self.rank, self.size, device)
 
+    @property
+    def head_split(self) -> int:
+        """Over how many ranks each rank's heads are split (all-to-all: every cp rank;
+        hybrid: its all-to-all group's), or 1 (ring)."""
+        return {"alltoall": self.size,
+                "hybrid": dist.get_world_size(self.inner) if self.inner else 1}.get(self.mode, 1)
+
+    def check_heads(self, query_heads: int, kv_heads: int) -> None:
+        """One-line PlanError unless these heads (a tp rank's) split whole over the ranks
+        the mode re-shards them to."""
+        reason = alltoall_heads_refusal(query_heads, kv_heads, self.head_split)
+        if reason is not None:
+            raise PlanError(reason)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float | None = None, causal: bool = True) -> torch.Tensor:
         """Attention over the whole sequence for this rank's queries (B, H, S/cp, D)."""
@@ -123,8 +137,7 @@ def _context_parallel(group, mode: str, all_to_all_ranks: int) -> ContextParalle
         mode = "alltoall" if all_to_all_ranks == size else "ring"
     if mode == "hybrid":
         inner, outer = hybrid_groups(group, all_to_all_ranks)
-    return ContextParallel(group, dist.get_rank(group), dist.get_world_size(group), mode,
-                           inner, outer)
+    return ContextParallel(group, dist.get_rank(group), size, mode, inner, outer)
 
 
 def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1,
@@ -145,13 +158,8 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1,
                         f"attention; {type(model).__name__} is neither: re-plan with "
                         f"constraints cp=1")
     cp = _context_parallel(group, mode, all_to_all_ranks)
-    if mode in ("alltoall", "hybrid"):
-        heads = getattr(config, "num_attention_heads", 0) // tp
-        kv = (getattr(config, "num_key_value_heads", None) or heads * tp) // tp
-        reason = alltoall_heads_refusal(heads, kv, cp.size if mode == "alltoall"
-                                        else all_to_all_ranks)
-        if reason is not None:
-            raise PlanError(reason)
+    heads = getattr(config, "num_attention_heads", 0) // tp
+    cp.check_heads(heads, (getattr(config, "num_key_value_heads", None) or heads * tp) // tp)
     from transformers import AttentionInterface
 
     AttentionInterface.register(CP_ATTENTION, _hf_attention)
@@ -184,11 +192,7 @@ def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int,
                         "call; this one computes attention by hand (fused_attention=False): "
                         "set fused_attention=True or re-plan with constraints cp=1")
     cp = _context_parallel(group, mode, all_to_all_ranks)
-    heads = model.cfg.n_heads // tp
-    degree = {"alltoall": cp.size, "hybrid": all_to_all_ranks}.get(mode)
-    reason = alltoall_heads_refusal(heads, heads, degree) if degree else None
-    if reason is not None:
-        raise PlanError(reason)
+    cp.check_heads(model.cfg.n_heads // tp, model.cfg.n_heads // tp)
     for module in model.modules():
         if isinstance(module, Attention):
             hook_sdpa(module, cp)
