@@ -40,8 +40,9 @@ def hybrid_split(plan: Plan) -> int:
     (1 or every cp rank: it runs as the ring or the all-to-all, as priced). A size that does
     not divide cp is a one-line PlanError."""
     cp = plan.mesh["cp"]
-    a2a = all_to_all_ranks(cp, "hybrid", plan.mesh["tp"], plan.mesh["ep"],
-                           load_cluster(plan.cluster).devices_per_node)
+    # an int whatever the catalog (or a profile) wrote: it is written into the program
+    a2a = int(all_to_all_ranks(cp, "hybrid", plan.mesh["tp"], plan.mesh["ep"],
+                               int(load_cluster(plan.cluster).devices_per_node)))
     if cp % a2a:
         raise PlanError(f"cp_mode=hybrid puts the {a2a} cp ranks of a node in one all-to-all "
                         f"group, which does not divide cp={cp}; re-plan with cp_mode=ring or "
@@ -59,6 +60,6 @@ def context_parallel_statements(w, plan: Plan) -> None:
         a2a = hybrid_split(plan)
         w.line(f"    # hybrid: all-to-all inside groups of {a2a} cp ranks (one node's), a ring "
                f"across the groups")
-        w.line(f"    ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks={a2a})")
+        w.line(f"    ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks={a2a!r})")
     else:
         w.line("    ap.context_parallel(model, mesh, plan.cp_mode)")
