@@ -74,7 +74,7 @@ def compile_artifact(model: object, example_inputs: object, plan: Plan, out_dir:
     """
     plan.validate()
     cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1),
-                                         plan.cp_mode, plan.mesh["pp"])
+                                         plan.cp_mode)
     if cp_reason is not None:  # priced, not runnable: nothing is written
         raise PlanError(f"cannot compile a program that runs {cp_reason}")
     source = describe_source(model)

@@ -50,16 +50,21 @@ def hybrid_split(plan: Plan) -> int:
     return a2a
 
 
-def context_parallel_statements(w, plan: Plan) -> None:
-    """The ``parallelize`` lines that give the model its context-parallel attention."""
+def context_parallel_statements(w, plan: Plan, stage: bool = False) -> None:
+    """The ``parallelize`` (``stage``: ``parallelize_stage``) lines that give the model (the
+    traced stage) its context-parallel attention."""
     w.line(f"    # context parallelism over mesh[\"cp\"] ({plan.mesh['cp']} ranks, {plan.cp_mode}): "
            "each rank holds chunks i and 2cp-1-i of")
     w.line("    # every sequence; attention sees the whole sequence, global position ids feed "
            "the rotary tables")
+    call = "ap.context_parallel_stage(stage, original, mesh, plan.cp_mode" if stage else \
+        "ap.context_parallel(model, mesh, plan.cp_mode"
+    if stage:
+        w.line("    # (the stage's attention nodes run it; the first stage takes the positions)")
     if plan.cp_mode == "hybrid":
         a2a = hybrid_split(plan)
         w.line(f"    # hybrid: all-to-all inside groups of {a2a} cp ranks (one node's), a ring "
                f"across the groups")
-        w.line(f"    ap.context_parallel(model, mesh, plan.cp_mode, all_to_all_ranks={a2a!r})")
+        w.line(f"    {call}, all_to_all_ranks={a2a!r})")
     else:
-        w.line("    ap.context_parallel(model, mesh, plan.cp_mode)")
+        w.line(f"    {call})")

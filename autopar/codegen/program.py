@@ -566,6 +566,8 @@ def _pipeline(w: _Writer, plan: Plan, layout: TensorParallelLayout | None) -> No
         w.line("    # expert parallelism over mesh[\"ep\"]: the stage's experts back as the "
                "original modules, each rank holding its experts; tokens travel by all-to-all")
         w.line("    experts = ap.stage_expert_parallel(stage, original, mesh)")
+    if plan.mesh.get("cp", 1) > 1:
+        context_parallel_statements(w, plan, stage=True)
     _recompute_statements(w, "stage")
     if plan.mesh["ep"] > 1:
         w.line("    # data parallelism: dense modules over dp x ep, experts over dp (ZeRO-0/1: the "

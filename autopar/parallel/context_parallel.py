@@ -111,9 +111,27 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout and module.training:
         raise PlanError(f"context parallelism does not run attention dropout ({dropout}); set "
                         f"the model's attention_dropout to 0")
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        check_sliding_window(module, query.shape[2] * cp.size, window)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cp.attend(query, key, value, scale=scaling, causal=causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_sliding_window(model: nn.Module, tokens: int, window: int | None = None) -> None:
+    """One-line PlanError when attention over ``tokens`` is limited to a sliding window
+    shorter than them (``window``, else the model's config's when it uses one): the cp
+    attention sees the whole causal past."""
+    if window is None:
+        config = getattr(model, "config", None)
+        window = getattr(config, "sliding_window", None) \
+            if getattr(config, "use_sliding_window", True) else None
+    if window is not None and int(window) < tokens:
+        raise PlanError(f"context parallelism attends over the whole causal past; this model "
+                        f"limits attention to a sliding window of {window} tokens, shorter than "
+                        f"the {tokens}-token sequence: train at seq <= {window} or re-plan "
+                        f"with constraints cp=1")
 
 
 def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position_ids") -> None:
@@ -127,6 +145,25 @@ def _give_positions(model: nn.Module, cp: ContextParallel, name: str = "position
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def context_parallel_for(model: nn.Module, group, mode: str, tp: int = 1,
+                         all_to_all_ranks: int = 0) -> ContextParallel:
+    """This rank's ContextParallel over ``group`` in ``mode`` for ``model`` (a Hugging Face
+    decoder or autopar's GPT), after checking that each tp rank's heads split over the ranks
+    the mode re-shards them to (one-line PlanError)."""
+    if mode not in RUNS_MODES:
+        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring, alltoall "
+                        f"and hybrid; re-plan with one of them")
+    cp = _context_parallel(group, mode, all_to_all_ranks)
+    if isinstance(model, GPT):
+        heads = kv_heads = model.cfg.n_heads // tp
+    else:
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", 0) // tp
+        kv_heads = (getattr(config, "num_key_value_heads", None) or heads * tp) // tp
+    cp.check_heads(heads, kv_heads)
+    return cp
 
 
 def _context_parallel(group, mode: str, all_to_all_ranks: int) -> ContextParallel:
@@ -157,9 +194,7 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1,
         raise PlanError(f"context parallelism hooks Hugging Face decoders' and autopar's GPT's "
                         f"attention; {type(model).__name__} is neither: re-plan with "
                         f"constraints cp=1")
-    cp = _context_parallel(group, mode, all_to_all_ranks)
-    heads = getattr(config, "num_attention_heads", 0) // tp
-    cp.check_heads(heads, (getattr(config, "num_key_value_heads", None) or heads * tp) // tp)
+    cp = context_parallel_for(model, group, mode, tp, all_to_all_ranks)
     from transformers import AttentionInterface
 
     AttentionInterface.register(CP_ATTENTION, _hf_attention)
@@ -191,8 +226,7 @@ def _apply_to_gpt(model: nn.Module, group, mode: str, tp: int,
         raise PlanError("context parallelism replaces the GPT's scaled_dot_product_attention "
                         "call; this one computes attention by hand (fused_attention=False): "
                         "set fused_attention=True or re-plan with constraints cp=1")
-    cp = _context_parallel(group, mode, all_to_all_ranks)
-    cp.check_heads(model.cfg.n_heads // tp, model.cfg.n_heads // tp)
+    cp = context_parallel_for(model, group, mode, tp, all_to_all_ranks)
     for module in model.modules():
         if isinstance(module, Attention):
             hook_sdpa(module, cp)

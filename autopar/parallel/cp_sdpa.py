@@ -5,6 +5,8 @@ untouched (the wrapper passes it straight through)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch.nn.functional as F
@@ -31,9 +33,22 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if dropout_p:
         raise PlanError(f"context parallelism does not run attention dropout ({dropout_p}); "
                         f"set the model's dropout to 0")
-    token = _ACTIVE.set(None)  # the cp attention's own SDPA call (all-to-all) is a plain one
-    try:
+    with outside_context_parallel():
         return cp.attend(query, key, value, scale=scale, causal=True)
+
+
+def active_context_parallel():
+    """The ContextParallel of the tagged module whose forward is running, or None."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def outside_context_parallel() -> Iterator[None]:
+    """No module is tagged inside: the cp attention's own SDPA calls (all-to-all's) are plain
+    ones."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
     finally:
         _ACTIVE.reset(token)
 
@@ -41,6 +56,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 def hook_sdpa(module: nn.Module, cp) -> None:
     """Run ``module``'s causal SDPA calls as ``cp``'s attention (``cp``: a ContextParallel)."""
     F.scaled_dot_product_attention = _sdpa  # the wrapper; a no-op outside tagged modules
+    hook_module(module, cp)
+
+
+def hook_module(module: nn.Module, cp) -> None:
+    """Tag ``module`` with ``cp`` while its forward runs (:func:`active_context_parallel`)."""
     tokens: list = []
 
     def enter(*_) -> None:

@@ -60,3 +60,15 @@ def axis(mesh: DeviceMesh | None, name: str) -> MeshAxis:
         return MeshAxis(1, None)
     sub = mesh[name]
     return MeshAxis(sub.size(), sub)
+
+
+def replica_axis(mesh: DeviceMesh | None, plan: Plan) -> MeshAxis:
+    """The ranks holding the same (non-expert) parameters, whose gradients are averaged: dp,
+    or dp x cp under context parallelism (the program's flattened ``dp_cp`` axis, or ``cp``
+    alone when dp is 1)."""
+    if plan.mesh.get("cp", 1) == 1:
+        return axis(mesh, "dp")
+    if plan.mesh["dp"] == 1:
+        return axis(mesh, "cp")
+    sub = mesh["dp_cp"]  # flattened by the program's build_mesh
+    return MeshAxis(sub.size(), sub)

@@ -89,17 +89,20 @@ def _schedule_class(name: str):
 def build_pipeline(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh, device: str,
                    example: torch.Tensor, loss_fn, lay_out=None, *,
                    chunks: list[tuple[int, int]] | None = None, schedule: str | None = None,
-                   microbatches: int | None = None) -> tuple[list, object, list[nn.Module]]:
+                   microbatches: int | None = None, inputs: dict | None = None
+                   ) -> tuple[list, object, list[nn.Module]]:
     """(this rank's PipelineStages, the schedule, their modules). ``lay_out(stage_module)``
     (the program's ``parallelize_stage``) lays out each stage module of this rank, on meta,
     before its PipelineStage is built. ``chunks``, ``schedule`` and ``microbatches`` default
-    to the plan's."""
+    to the plan's. ``inputs``: keyword inputs the trace takes besides ``example`` (context
+    parallelism's position ids, :func:`autopar.parallel.cp_stage.trace_positions`)."""
     from torch.distributed.pipelining import pipeline
 
     chunks = chunks if chunks is not None else chunk_ranges(plan)
     schedule = schedule or plan.schedule
     microbatches = microbatches or plan.num_microbatches
-    kwargs = {"use_cache": False} if hasattr(model, "config") else None
+    kwargs = {"use_cache": False} if hasattr(model, "config") else {}
+    kwargs = {**kwargs, **(inputs or {})} or None
     experts = []
     if plan.mesh["ep"] > 1:
         experts = find_experts(model)  # before the trace: the lay-out must split each one
@@ -308,8 +311,8 @@ def average_replica_grads(modules: list[nn.Module], plan: Plan, dp_group, replic
     if mesh["ep"] > 1:
         all_reduce_replica_grads(modules, replica_group, mesh["dp"] * mesh["ep"], skip=experts)
         sync_expert_grads(experts, plan, dp_group)
-    else:
-        all_reduce_replica_grads(modules, dp_group, mesh["dp"])
+    else:  # dp_group: the dp x cp group under context parallelism (mesh.replica_axis)
+        all_reduce_replica_grads(modules, dp_group, mesh["dp"] * mesh.get("cp", 1))
 
 
 def all_reduce_replica_grads(modules: list[nn.Module], dp_group, dp: int,

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar.errors import PlanError
 from autopar.parallel.context_parallel import apply_context_parallel
+from autopar.parallel.cp_stage import apply_stage_context_parallel
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
@@ -32,7 +33,7 @@ from autopar.parallel.tp_styles import localize_heads as _localize_one
 from autopar.parallel.traced_stage import prepare_stage as _prepare
 from autopar.plan import Plan
 
-__all__ = ["axis", "chunk_boundaries", "context_parallel", "expert_parallel",
+__all__ = ["axis", "chunk_boundaries", "context_parallel", "context_parallel_stage", "expert_parallel",
            "expert_zero_optimizer", "layers", "localize_heads", "prepare_stage", "present",
            "recompute", "recompute_modes", "replicate_experts", "shard_experts",
            "single_process_mesh", "split_heads", "stage_expert_parallel", "use_host_cores"]
@@ -174,6 +175,14 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, mode: str,
     and global position ids for its share of each sequence."""
     apply_context_parallel(model, _axis(mesh, "cp").group, mode, _axis(mesh, "tp").size,
                            all_to_all_ranks)
+
+
+def context_parallel_stage(stage: nn.Module, original: nn.Module, mesh: DeviceMesh, mode: str,
+                           all_to_all_ranks: int = 0) -> None:
+    """:func:`context_parallel` for a pipeline stage traced from ``original``: its attention
+    nodes run the cp attention, the first stage's position input gets global positions."""
+    apply_stage_context_parallel(stage, original, _axis(mesh, "cp").group, mode,
+                                 _axis(mesh, "tp").size, all_to_all_ranks)
 
 
 def single_process_mesh(device: str) -> DeviceMesh:

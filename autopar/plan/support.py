@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
 # whether autopar's runtime runs context parallelism (cp > 1): ring, all-to-all and hybrid attention on
-# Hugging Face decoders (autopar.parallel.context_parallel), not inside pipeline stages
+# Hugging Face decoders and autopar's GPT (autopar.parallel.context_parallel), pipeline stages too
 RUNTIME_RUNS_CP = True
 # the cp modes it runs (allgather is priced and exported only)
 RUNTIME_CP_MODES = ("ring", "alltoall", "hybrid")
@@ -59,10 +59,9 @@ def proposed_cp(pins: dict, engine: str = "autopar") -> int | None:
     return None if runtime_runs_cp(engine) else 1
 
 
-def context_parallel_refusal(engine: str, cp: int, mode: str = "ring", pp: int = 1
-                             ) -> str | None:
-    """Why ``engine``'s runtime cannot run ``cp`` context-parallel ranks in ``mode`` (with
-    ``pp`` pipeline stages), or None."""
+def context_parallel_refusal(engine: str, cp: int, mode: str = "ring") -> str | None:
+    """Why ``engine``'s runtime cannot run ``cp`` context-parallel ranks in ``mode``, or
+    None."""
     if cp == 1 or engine != "autopar":
         return None
     if not RUNTIME_RUNS_CP:
@@ -72,9 +71,6 @@ def context_parallel_refusal(engine: str, cp: int, mode: str = "ring", pp: int =
     if mode not in RUNTIME_CP_MODES:
         return (f"context parallelism with cp_mode={mode} (it runs ring, alltoall and hybrid; the plan "
                 f"is priced and reported only: re-plan with constraints cp_mode=ring)")
-    if pp > 1:
-        return (f"context parallelism inside pipeline stages (cp={cp}, pp={pp}: traced stages "
-                f"do not take the cp attention yet; re-plan with constraints pp=1 or cp=1)")
     return None
 
 
@@ -142,8 +138,6 @@ def unsupported_combination(*, engine: str, dp: int, tp: int, pp: int, ep: int,
                 "(constraints recompute=full or zero_stage=1)")
     if cp > 1 and ep > 1:
         return "context parallelism with expert parallelism (constraints ep=1 or cp=1)"
-    if cp > 1 and pp > 1:  # traced stages do not take the cp attention yet
-        return ("context parallelism inside pipeline stages (constraints pp=1 or cp=1)")
     # DDP and ZeroRedundancyOptimizer take plain tensors only: tensor-parallel (DTensor)
     # parameters are data-parallel through fully_shard, which shards gradients (ZeRO-2/3)
     if tp > 1 and dp * cp > 1 and zero_stage < 2 and ep == 1:  # cp ranks replicate too
@@ -199,7 +193,7 @@ def refuse_unsupported(plan: Plan) -> None:
     """Raise PlanError (one line, the way out included) when the runtime cannot honour
     ``plan``: what the runtime and ``autopar.parallelize`` check before any work."""
     cp_reason = context_parallel_refusal(plan.engine or "autopar", plan.mesh.get("cp", 1),
-                                         plan.cp_mode, plan.mesh["pp"])
+                                         plan.cp_mode)
     if cp_reason is not None:
         raise PlanError(f"the runtime does not run {cp_reason}")
     if (plan.engine or "autopar") != "autopar":

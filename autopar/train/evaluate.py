@@ -68,12 +68,13 @@ def evaluate(trainer, held: HeldOut, data=None) -> dict:
             if mask is not None:
                 targets = targets.masked_fill(~mask[:, 1:].to(trainer.device), IGNORE_INDEX)
             cp = getattr(trainer, "cp", None)
+            inputs = ids[:, :-1]
+            if cp is not None:  # this cp rank's chunks of each sequence, summed over cp below
+                inputs, targets = cp.shard(inputs), cp.shard(targets)
             if trainer.pipe is not None:
-                s, c = _pipeline_sums(trainer, ids, targets, m, b)
-            elif cp is not None:  # this cp rank's chunks of each sequence, summed over cp below
-                s, c = _sums(trainer, cp.shard(ids[:, :-1]), cp.shard(targets), m, b)
+                s, c = _pipeline_sums(trainer, inputs, targets, m, b)
             else:
-                s, c = _sums(trainer, ids[:, :-1], targets, m, b)
+                s, c = _sums(trainer, inputs, targets, m, b)
             summed += s
             counted += c
     finally:
@@ -109,13 +110,13 @@ def _sums(trainer, inputs: torch.Tensor, targets: torch.Tensor, m: int, b: int
     return summed, counted
 
 
-def _pipeline_sums(trainer, ids: torch.Tensor, targets: torch.Tensor, m: int, b: int
+def _pipeline_sums(trainer, inputs: torch.Tensor, targets: torch.Tensor, m: int, b: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule's forward-only pass: the last stage's loss function returns each
     micro-batch's mean (:meth:`Trainer.loss`), weighed back by its token count here."""
     losses: list[torch.Tensor] = []
     with trainer._compute():
-        trainer.pipe.eval(ids[:, :-1], target=targets, losses=losses)
+        trainer.pipe.eval(inputs, target=targets, losses=losses)
     zero = torch.zeros((), dtype=torch.float64, device=trainer.device)
     if not losses:  # not the last stage
         return zero, zero.clone()

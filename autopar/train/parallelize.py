@@ -19,13 +19,16 @@ from torch import nn
 
 from autopar.codegen.program import model_program
 from autopar.errors import PlanError
+from autopar.parallel.context_parallel import CP_ATTR, context_parallel_of
+from autopar.parallel.cp_layout import shard_sequence
+from autopar.parallel.cp_stage import trace_positions
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
     replica_group,
     sync_expert_grads,
 )
 from autopar.parallel.expert_zero import ExpertZeroOptimizer
-from autopar.parallel.mesh import axis
+from autopar.parallel.mesh import axis, replica_axis
 from autopar.parallel.model_heads import heads_mismatch, output_features
 from autopar.parallel.pipeline import (
     average_replica_grads,
@@ -105,7 +108,11 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     from rank 0. With pipeline stages (pp > 1) it returns a :class:`Pipeline`: this rank's
     stages and the planned schedule; give ``example`` (one micro-batch of inputs, to trace the
     model) and ``loss_fn(output, target)``, then call ``pipeline.step(inputs, target)`` each
-    step. Under expert parallelism each data-parallel rank, dp x ep of them, reads its own
+    step. Under context parallelism (cp > 1) ``example`` and the step's inputs are whole
+    sequences; each cp rank runs its share, and ``loss_fn`` gets that share: a mean over its
+    tokens is exact when every cp rank counts as many targets (no ignored labels), else use
+    :func:`autopar.train.loss.context_parallel_lm_loss` with the pipeline's
+    ``context_parallel_of(pipeline.modules)``. Under expert parallelism each data-parallel rank, dp x ep of them, reads its own
     rows (``rank // tp``); with ZeRO-2/3 fully_shard reduces the expert gradients, with
     ZeRO-0/1 DDP reduces the dense ones and the optimizer from :func:`optimizer` the experts'
     (over dp, before each step, as the Trainer does; ZeRO-1's shards its states too).
@@ -176,6 +183,8 @@ class Pipeline:
     tied: dict  # tied weights' copies on several stages: gradients summed across them
     replica_group: object | None = None  # dp x ep under expert parallelism
     experts: list = field(default_factory=list)  # this rank's expert-parallel experts
+    # the stages' gradient replicas: dp, or dp x cp under context parallelism
+    stage_replica_group: object | None = None
 
     def parameters(self):
         return self.modules.parameters()
@@ -183,17 +192,25 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one global batch share (every rank passes the same
         ``inputs`` and ``target`` of its data-parallel rows; the schedule cuts them into
-        micro-batches); returns the mean loss on every rank. Step the optimizer after it."""
+        micro-batches); returns the mean loss on every rank. Step the optimizer after it.
+        Under context parallelism every cp rank passes the whole sequences too: each runs
+        its share (``ContextParallel.shard``), and ``loss_fn`` gets that share of the output
+        and targets (see :func:`parallelize`)."""
         losses: list[torch.Tensor] = []
+        cp = context_parallel_of(self.modules)
+        if cp is not None:
+            inputs, target = cp.shard(inputs), cp.shard(target)
         self.schedule.step(inputs, target=target, losses=losses)
         if self.replicated:
-            average_replica_grads(list(self.modules), self.plan, self.dp_group,
+            average_replica_grads(list(self.modules), self.plan, self.stage_replica_group,
                                   self.replica_group, self.experts)
         if self.tied:
             sync_tied_grads(list(self.modules), self.tied, self.pp_group)
         device = next(self.modules.parameters()).device
         total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
             else torch.zeros((), device=device)
+        if cp is not None:  # each cp rank's loss is its share of the sequence's
+            total = cp.mean(total)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
         return total
 
@@ -209,17 +226,25 @@ def _pipeline(model: nn.Module, plan: Plan, device: str, mesh, program: ModuleTy
     def lay_out(stage: nn.Module) -> None:
         program.parallelize_stage(stage, mesh, plan, model)
 
+    inputs = None
+    cp = axis(mesh, "cp")
+    if cp.size > 1:  # traced on this cp rank's share, its positions an input
+        example = shard_sequence(example, cp.local_rank, cp.size, 1)
+        inputs = trace_positions(model, example.shape[0], example.shape[1])
     _, schedule, modules = build_pipeline(
         model, plan, axis(mesh, "pp").mesh, device, example, loss_fn, lay_out,
         chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
-        microbatches=spec["microbatches"])
-    dp_mesh = axis(mesh, "dp").mesh  # None: the program's mesh has no dp axis
+        microbatches=spec["microbatches"], inputs=inputs)
     dp_group = axis(mesh, "dp").group if plan.mesh["dp"] > 1 else None
-
+    replicas = replica_axis(mesh, plan)
+    stages = nn.ModuleList(modules)
+    cps = [c for c in map(context_parallel_of, modules) if c is not None]
+    if cps:
+        setattr(stages, CP_ATTR, cps[0])
     experts = [m for s in modules for m in s.modules() if isinstance(m, ExpertParallelExperts)]
-    return Pipeline(nn.ModuleList(modules), schedule, plan, axis(mesh, "pp").group, dp_group,
-                    replicated_stages(plan, dp_mesh), tied, replica_group(plan, mesh, dp_group),
-                    experts)
+    return Pipeline(stages, schedule, plan, axis(mesh, "pp").group, dp_group,
+                    replicated_stages(plan, replicas.mesh), tied,
+                    replica_group(plan, mesh, dp_group), experts, replicas.group)
 
 
 def optimizer(model: nn.Module | Pipeline, plan: Plan,
@@ -246,7 +271,8 @@ def optimizer(model: nn.Module | Pipeline, plan: Plan,
     if isinstance(model, Pipeline) and model.replicated and plan.zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, cls, process_group=model.dp_group, **kwargs)
+        return ZeroRedundancyOptimizer(params, cls, process_group=model.stage_replica_group,
+                                       **kwargs)
     if plan.zero_stage == 1 and isinstance(model, nn.parallel.DistributedDataParallel):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -19,7 +19,8 @@ from autopar.calibrate.trace_summary import BACKWARD, FORWARD, OPTIMIZER, STEP, 
 from autopar.data.dataset import open_source
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source
-from autopar.parallel.context_parallel import context_parallel_of
+from autopar.parallel.context_parallel import CP_ATTR, context_parallel_of
+from autopar.parallel.cp_stage import trace_positions
 from autopar.parallel.expert_parallel import (
     ExpertParallelExperts,
     data_rank,
@@ -27,7 +28,7 @@ from autopar.parallel.expert_parallel import (
     sync_expert_grads,
 )
 from autopar.parallel.init import InitReport, materialize
-from autopar.parallel.mesh import axis
+from autopar.parallel.mesh import axis, replica_axis
 from autopar.parallel.pipeline import (
     average_replica_grads,
     build_pipeline,
@@ -226,9 +227,12 @@ class Trainer:
         one ModuleList."""
         self.tied = tied_copies(model)
         # a classifier's example meets its first layer's weights, on meta: it is on meta too
+        cp = plan.mesh["cp"]  # each cp rank traces (and runs) its share of the sequence
         example = torch.zeros(plan.microbatch_size, *self.task.sample_shape, device="meta") \
             if self.task.classifies else \
-            torch.zeros(plan.microbatch_size, self.seq, dtype=torch.long)
+            torch.zeros(plan.microbatch_size, self.seq // cp, dtype=torch.long)
+        inputs = trace_positions(model, plan.microbatch_size, self.seq // cp) if cp > 1 \
+            else None
         spec = pipeline_spec(program, plan)
         loss_fn = self.loss if self.scaler is None else \
             (lambda out, target: self.loss(out, target) if self.evaluating
@@ -241,14 +245,21 @@ class Trainer:
         stages, self.pipe, modules = build_pipeline(
             model, plan, axis(mesh, "pp").mesh, device, example, loss_fn, lay_out,
             chunks=[tuple(c) for c in spec["chunks"]], schedule=spec["schedule"],
-            microbatches=spec["microbatches"])
+            microbatches=spec["microbatches"], inputs=inputs)
         self.pp_group = axis(mesh, "pp").group
         self.init_report = materialize_stages(modules, self.seed, reference, device,
                                               self.weights, self.constructed)
         for module in modules:  # the profiler sees each stage's forward as one phase
             mark_forward(module)
-        self.replicated = replicated_stages(plan, dp_mesh)
-        return nn.ModuleList(modules)
+        # the stages' replicas: dp, or dp x cp under context parallelism
+        replicas = replica_axis(mesh, plan)
+        self.replicated = replicated_stages(plan, replicas.mesh)
+        self.stage_replica_group = replicas.group
+        stages = nn.ModuleList(modules)
+        cp_of_stages = {id(c): c for c in map(context_parallel_of, modules) if c is not None}
+        if cp_of_stages:  # the loss (last stage) is the cp loss, each rank's share
+            setattr(stages, CP_ATTR, next(iter(cp_of_stages.values())))
+        return stages
 
     def loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss (:func:`autopar.train.loss.lm_loss`, R-Drop's when the
@@ -321,12 +332,14 @@ class Trainer:
             self.pipe.step(inputs, target=targets, losses=losses)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp (x ep)
 
-            average_replica_grads(list(self.model), self.plan, self.dp_group,
+            average_replica_grads(list(self.model), self.plan, self.stage_replica_group,
                                   self.replica_group, self.experts)
         total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses \
             else torch.zeros((), device=self.device)
         if self.scaler is not None and losses:
             total = total / self.scaler.value
+        if self.cp is not None:  # each cp rank's loss is its share of the sequence's
+            total = self.cp.mean(total)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds the losses
         if self.tied:
             sync_tied_grads(list(self.model), self.tied, self.pp_group)

@@ -300,7 +300,9 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
     assert context_parallel_refusal("autopar", 4, "alltoall") is None
     assert context_parallel_refusal("autopar", 4, "hybrid") is None  # run since this stop
     assert "cp_mode=allgather" in context_parallel_refusal("autopar", 2, "allgather")
-    assert "pipeline" in context_parallel_refusal("autopar", 2, "ring", pp=2)
+    assert unsupported_combination(  # pp x cp runs since this stop
+        engine="autopar", dp=1, tp=1, pp=2, ep=1, cp=2, zero_stage=0, sequence_parallel=False,
+        offload=frozenset(), num_microbatches=2) is None
     assert context_parallel_refusal("megatron", 2, "hybrid") is None  # exported, not run
     assert "expert parallelism" in unsupported_combination(
         engine="autopar", dp=1, tp=1, pp=1, ep=2, cp=2, zero_stage=0, sequence_parallel=False,
@@ -322,24 +324,6 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
         apply_context_parallel(unfused, None, "ring")
     with pytest.raises(PlanError, match="runs ring, alltoall and hybrid"):
         apply_context_parallel(unfused, None, "allgather")
-
-
-def test_a_pipeline_with_cp_is_refused_before_any_work() -> None:
-    import autopar
-    from autopar.errors import PlanError
-    from autopar.plan import Plan
-    from autopar.plan.support import refuse_unsupported
-
-    # the search does not propose it: pinned, the search says which pins to relax
-    with pytest.raises(autopar.InfeasibleError, match="inside pipeline stages.*pp=1 or cp=1"):
-        _llama_plan(4, cp=2, pp=2, microbatch_size=1, schedule="1f1b")
-    # a plan file edited by hand to pp2 x cp2 is refused before any process starts
-    data = _llama_plan(4, pp=2, tp=2, microbatch_size=1, schedule="1f1b").to_dict()
-    data["mesh"] = {**data["mesh"], "tp": 1, "cp": 2}
-    edited = Plan.from_dict(data)
-    assert (edited.mesh["pp"], edited.mesh["cp"]) == (2, 2)
-    with pytest.raises(PlanError, match="inside pipeline stages"):
-        refuse_unsupported(edited)
 
 
 @pytest.mark.parametrize("mode", ["ring", "alltoall"])

@@ -73,11 +73,12 @@ def _train_gpt(world: int, plan_dict: dict | None) -> list[float]:
 @pytest.mark.parametrize("pins", [dict(pp=2, dp=1, tp=1, schedule="1f1b"),
                                   dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="gpipe"),
                                   dict(pp=2, dp=1, tp=2, schedule="1f1b",
-                                       sequence_parallel=False)],
-                         ids=["pp2", "pp2xdp2-zero1", "pp2xtp2"])
+                                       sequence_parallel=False),
+                                  dict(pp=2, dp=1, tp=1, cp=2, cp_mode="alltoall")],
+                         ids=["pp2", "pp2xdp2-zero1", "pp2xtp2", "pp2xcp2-alltoall"])
 def test_parallelize_a_pipeline_in_your_own_loop(pins: dict) -> None:
     graph = autopar.capture(GPT(GPTConfig(**CFG)), token_inputs(1, CFG["seq_len"]))
-    devices = pins["pp"] * pins["dp"] * pins["tp"]
+    devices = pins["pp"] * pins["dp"] * pins["tp"] * pins.get("cp", 1)
     plan = autopar.plan(graph, devices=devices, global_batch=BATCH, cluster="cpu",
                         constraints=dict(pins, microbatch_size=1, precision="fp32"))
     assert plan.mesh["pp"] == 2
