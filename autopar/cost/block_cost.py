@@ -14,9 +14,19 @@ from autopar.cost.comm import (
     pipelined_wall,
     ring_exchange_wall,
 )
-from autopar.cost.compute import fp8_cast_seconds, kernel_dtype, op_backward_time, op_time
+from autopar.cost.compute import (
+    fp8_cast_seconds,
+    is_fused_attention,
+    kernel_dtype,
+    op_backward_time,
+    op_time,
+)
 from autopar.cost.config import ParallelConfig
-from autopar.cost.context_parallel import context_parallel_comm
+from autopar.cost.context_parallel import (
+    context_parallel_comm,
+    ring_blocks,
+    ring_merge_seconds,
+)
 from autopar.cost.data_parallel import BlockTraffic, block_traffic
 from autopar.cost.engines import (
     FUSED_KERNEL_ENGINES,
@@ -136,6 +146,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     flop_scale = config.microbatch_size / captured_batch(graph) / config.cp
     byte_scale = seq_byte_scale / config.cp
     layout = tp_layout(graph, block, config.tp_layouts)
+    ring = ring_blocks(config, cluster)  # a cp ring runs attention one key block at a time
     fwd = 0.0
     bwd = 0.0
     core_s = 0.0
@@ -172,7 +183,9 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             region_divisor.setdefault(name, divisor)
             op_s[name] = 0.0
             continue
-        t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor)
+        kv_blocks = ring if is_fused_attention(op) else 1
+        t = op_time(op, device, precision.compute, flop_scale, byte_scale, divisor,
+                    kv_blocks=kv_blocks)
         op_s[name] = t
         fwd += t
         # the backward computes the input gradient and, for an op with a trainable weight,
@@ -180,7 +193,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         frozen = bool(op.params) and not any(
             graph.params[p].trainable for p in op.params if p in graph.params)
         t_bwd = op_backward_time(op, device, precision.compute, flop_scale, byte_scale, divisor,
-                                 weight_grad=not frozen)
+                                 weight_grad=not frozen, kv_blocks=kv_blocks)
         bwd += t_bwd
         if op.kind is OpKind.ATTENTION:
             attention_fwd_s += t
@@ -197,6 +210,13 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         cast_fwd, cast_bwd = fp8_cast_time(graph, block, layout, tp, flop_scale, cluster)
         fwd += cast_fwd
         bwd += cast_bwd
+    kv_split = cache_split(graph, block, layout, tp)
+    merge_fwd, merge_bwd = ring_merge_seconds(graph, block, config, cluster, seq_byte_scale,
+                                              kv_split)
+    fwd += merge_fwd
+    bwd += merge_bwd
+    if recompute == "selective":  # the re-run attention core merges its ring steps again
+        core_s += merge_fwd
     recompute_s = fwd if recompute == "full" else core_s
     # tensor-parallel collectives: forward all-reduce after each row linear, backward all-reduce
     # of each distinct column-linear input (all-gather + reduce-scatter under sequence parallel)
@@ -229,7 +249,6 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
                                   scale=byte_scale, layouts=config.tp_layouts,
                                   fp8=precision.compute == "fp8")
     kv = 0.0
-    kv_split = cache_split(graph, block, layout, tp)
     for name in block.nodes:
         op = graph.op(name)
         if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3 and "scaled_dot" in op.target:

@@ -199,23 +199,28 @@ def kernel_seconds(device: DeviceSpec, kernel_s: float, kernels: int = 1) -> flo
 
 
 def _fused_attention_seconds(op: OpNode, device: DeviceSpec, peak: float, flops: float,
-                             memory_time: float, backward: bool) -> float:
+                             memory_time: float, backward: bool, kv_blocks: int = 1) -> float:
+    """Device seconds of a fused attention kernel; ``kv_blocks`` > 1 runs it as that many
+    kernels, each over one block of the keys (ring attention's steps): a query tile visits
+    ``1 / kv_blocks`` of the keys per kernel, so each ramps up on fewer of them."""
     _, s_k, causal = attention_shape(op)
     work = flops * (0.5 if causal else 1.0)
-    keys = s_k / 2 if causal else s_k
+    keys = (s_k / 2 if causal else s_k) / kv_blocks
     if backward:
         work *= ATTENTION_BACKWARD_FLOPS
     return max(work / (peak * attention_efficiency(device, keys, backward)), memory_time)
 
 
 def op_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float, byte_scale: float,
-            divisor: float = 1.0, sustained: bool = True) -> float:
+            divisor: float = 1.0, sustained: bool = True, kv_blocks: int = 1) -> float:
     """Forward seconds of one op on one device.
 
     ``flop_scale`` rescales the captured batch to the micro-batch; ``byte_scale`` also converts
     the captured dtype to the compute dtype; ``divisor`` is how many ways the op is split
     (tensor / sequence / expert parallel). ``sustained=False`` prices a single burst at boost
     clock (a benchmark of one kernel) instead of a training loop at the power limit.
+    ``kv_blocks`` splits a fused attention into one kernel per block of keys (ring context
+    parallelism runs one per ring step).
     """
     if op.kind is OpKind.VIEW:
         return 0.0
@@ -229,7 +234,8 @@ def op_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float, byte_
         eff = matmul_efficiency(device, m * flop_scale, n / divisor, k, sustained, dtype)
         seconds = max(flops / (peak * eff), memory_time)
     elif is_fused_attention(op):
-        seconds = _fused_attention_seconds(op, device, peak, flops, memory_time, False)
+        return _issue(device, _fused_attention_seconds(op, device, peak, flops, memory_time,
+                                                       False, kv_blocks), kv_blocks)
     elif op.kind is OpKind.ATTENTION:
         clock = device.efficiency.sustained if sustained else 1.0
         seconds = max(flops / (peak * device.efficiency.attention * clock), memory_time)
@@ -239,7 +245,8 @@ def op_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float, byte_
 
 
 def op_backward_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: float,
-                     byte_scale: float, divisor: float = 1.0, weight_grad: bool = True) -> float:
+                     byte_scale: float, divisor: float = 1.0, weight_grad: bool = True,
+                     kv_blocks: int = 1) -> float:
     """Backward seconds of one op on one device (arguments as :func:`op_time`).
 
     A matmul runs its input-gradient matmul and, with ``weight_grad`` (a trainable weight,
@@ -269,7 +276,7 @@ def op_backward_time(op: OpNode, device: DeviceSpec, dtype: str, flop_scale: flo
                    for a, b, c in shapes)
     if is_fused_attention(op):
         return _issue(device, _fused_attention_seconds(op, device, peak, flops, memory_time,
-                                                       True))
+                                                       True, kv_blocks), kv_blocks)
     if op.kind is OpKind.ATTENTION:  # an unfused attention matmul: two matmuls back
         seconds = flops / (peak * device.efficiency.attention * device.efficiency.sustained)
         return _issue(device, 2 * max(seconds, memory_time / 2), kernels=2)

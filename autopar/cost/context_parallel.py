@@ -33,6 +33,16 @@ ranks exchange in one of three ways (``ParallelConfig.cp_mode``):
   the paper states this latency is exposed on the critical path (small under grouped-query
   attention, whose K/V are few heads).
 
+A ring also changes the attention kernels themselves: each step runs the fused kernel on the
+block of keys the rank holds then, so the attention runs as ``ring`` kernels whose query tiles
+visit ``1 / ring`` of the keys each (the block cost prices them so: ``ring_blocks``), and each
+step's partial output is folded into the running one by its log-sum-exp (the backward adds
+each step's dQ to the running one and each arriving dK/dV to the local ones), memory-bound
+passes the unsplit kernel does not make (``ring_merge_seconds``; TransformerEngine's
+``AttnFuncWithCPAndKVP2P`` corrects the output per step the same way). At a few thousand tokens
+these cost more than the exchange itself: a 2,048-token sequence over a ring of 2 runs kernels
+over 512 keys, which reach two thirds of the rate 1,024 keys reach.
+
 Gradients of the replicated parameters are reduced over ``dp x cp`` (the data-parallel
 collectives' group includes cp: see ``ParallelConfig.dense_replicas``), as torchtitan's
 ``dp_shard_cp`` mesh does.
@@ -50,6 +60,7 @@ from autopar.cost.comm import (
     collective_time,
     p2p_link_time,
 )
+from autopar.cost.compute import kernel_seconds
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import overlapped
 from autopar.cost.hardware import Cluster
@@ -135,6 +146,39 @@ def all_to_all_degree(config: ParallelConfig, cluster: Cluster) -> int:
                             cluster.devices_per_node)
 
 
+def ring_blocks(config: ParallelConfig, cluster: Cluster) -> int:
+    """Ranks of the key/value ring (1: none): cp under ``ring``, the cp ranks left after the
+    all-to-all under ``hybrid``, none under ``alltoall`` and ``allgather`` (whole keys)."""
+    if config.cp <= 1 or config.cp_mode == "allgather":
+        return 1
+    return config.cp // all_to_all_degree(config, cluster)
+
+
+def ring_merge_seconds(graph: Graph, block: Block, config: ParallelConfig, cluster: Cluster,
+                       byte_scale: float, kv_split: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a ring's per-step merges in one block, one micro-batch
+    (arguments as :func:`context_parallel_comm`): each step after the first reads the running
+    output and the step's and writes the running one (forward); reads and writes the running
+    dQ and the step's, and the arriving dK/dV and the local ones (backward). One kernel per
+    step forward, two backward."""
+    ring = ring_blocks(config, cluster)
+    if ring <= 1:
+        return 0.0, 0.0
+    device = cluster.device
+    bandwidth = device.memory_bandwidth * device.efficiency.memory
+    per_rank = byte_scale / config.cp
+    steps = ring - 1
+    fwd = bwd = 0.0
+    for t in attention_tensors(graph, block):
+        q_split = config.tp if t.heads % config.tp == 0 else 1
+        out = t.out_bytes * per_rank / q_split
+        q = t.q_bytes * per_rank / q_split
+        kv = (t.k_bytes + t.v_bytes) * per_rank / kv_split
+        fwd += kernel_seconds(device, steps * 3 * out / bandwidth, steps)
+        bwd += kernel_seconds(device, steps * 3 * (q + kv) / bandwidth, 2 * steps)
+    return fwd, bwd
+
+
 def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
                           cluster: Cluster, byte_scale: float, kv_split: float,
                           attention_fwd_s: float, attention_bwd_s: float,
@@ -155,7 +199,7 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
     tp = config.tp
     placement = axis_placement(config, "cp", cluster.devices_per_node)
     a2a = all_to_all_degree(config, cluster)
-    ring = cp // a2a if config.cp_mode != "allgather" else 1  # ranks of the ring (1: none)
+    ring = ring_blocks(config, cluster)
     fwd_comm = bwd_comm = 0.0
     fwd_exposed = bwd_exposed = 0.0
     overlap = cluster.device.overlap
@@ -204,5 +248,5 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
 
 
 __all__ = ["AttentionTensors", "ContextParallelComm", "all_to_all_degree", "all_to_all_ranks",
-           "attention_tensors",
+           "attention_tensors", "ring_blocks", "ring_merge_seconds",
            "context_parallel_comm", "ulysses_refusal"]

@@ -117,6 +117,9 @@ def robustness_section(d: dict) -> Section | None:
     if r.get("passed_over_for_memory"):
         lines.append(f"{r['passed_over_for_memory']} of them were passed over for using more "
                      f"than {fmt.pct(r['memory_risk_fraction'])} of the usable memory")
+    if r.get("passed_over_for_offload"):
+        lines.append(f"{r['passed_over_for_offload']} of them were passed over for offloading "
+                     f"to the host while a plan that keeps every state on the device was near")
     return Section("Robustness", headers=["if", "step", "change"], rows=rows, lines=lines,
                    numeric={1, 2}, anchor="robustness")
 

@@ -1,6 +1,12 @@
 """Robust choice: how a plan's step time holds up if communication (host transfers too) were 1.5x slower or
 overlap were halved, and which of the plans within 3% of the fastest suffers least; among
-those, plans that leave memory headroom come first."""
+those, plans that leave memory headroom come first, and of those, plans that keep every state
+on the device before plans that offload.
+
+Offload is a memory remedy: its price rests on the host's optimizer rate (torch's CPU AdamW
+against DeepSpeed's 5-7x faster fused one), the host's memory bandwidth (an estimate) and
+what else the host runs, none of which the checks perturb. A plan that needs the host is
+therefore taken only when no plan near the fastest fits with headroom without it."""
 
 from __future__ import annotations
 
@@ -32,13 +38,17 @@ def robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
                   capacity_bytes: float = float("inf")
                   ) -> tuple[tuple[ParallelConfig, Estimate], dict]:
     """Among the plans within ROBUST_MARGIN of the fastest, those within MEMORY_RISK_FRACTION
-    of ``capacity_bytes`` (all of them when none is), the one whose worse step time under
-    1.5x slower communication or halved overlap is smallest (then the faster one)."""
+    of ``capacity_bytes`` (all of them when none is), and of those the ones that offload
+    nothing (all of them when every one does), the one whose worse step time under 1.5x
+    slower communication or halved overlap is smallest (then the faster one)."""
     limit = best[1].step_time_s * (1 + ROBUST_MARGIN)
     near = [f for f in found if f[0] <= limit]
     lean = [f for f in near
             if memory_fraction(f[3], capacity_bytes) <= MEMORY_RISK_FRACTION]
     pool = lean or near  # nothing leaner near: the risk is taken, and the report shows it
+    on_device = [f for f in pool if not f[2].offload]
+    pool_before_offload = len(pool)
+    pool = on_device or pool
     scored = []
     for step, tie, config, est in pool:
         checks = sensitivity(graph, cluster, config, task)
@@ -58,6 +68,7 @@ def robust_choice(graph: Graph, cluster: Cluster, task: str, found: list,
         "memory_risk_fraction": MEMORY_RISK_FRACTION,
         "memory_fraction": share, "memory_risk": share > MEMORY_RISK_FRACTION,
         "fastest_memory_fraction": memory_fraction(best[1], capacity_bytes),
-        "passed_over_for_memory": len(near) - len(pool),
+        "passed_over_for_memory": len(near) - pool_before_offload,
+        "passed_over_for_offload": pool_before_offload - len(pool),
     }
     return (config, est), robust

@@ -37,6 +37,6 @@ def test_a_shipped_config_plans_on_8_and_64_devices(name: str) -> None:
             assert graph.num_params * 16 / devices > 0.5 * 77.3e9 or devices == 8, message
             continue
         m = plan.mesh
-        assert m["pp"] * m["dp"] * m["tp"] * m["ep"] == devices
+        assert m["pp"] * m["dp"] * m["cp"] * m["tp"] * m["ep"] == devices
         assert m["ep"] == 1 or facts.experts % m["ep"] == 0
         assert max(s["memory"]["total"] for s in plan.predicted.stages) <= plan.memory_limit_bytes

@@ -21,7 +21,11 @@ def mixtral():
 def _assert_legal(plan, graph) -> None:
     facts = model_facts(graph)
     m = plan.mesh
-    assert m["pp"] * m["dp"] * m["tp"] * m["ep"] == plan.devices
+    assert m["pp"] * m["dp"] * m["cp"] * m["tp"] * m["ep"] == plan.devices
+    # context parallelism cuts every sequence in 2 cp balanced chunks (cp ranks of ``cp``
+    # tokens each under all-to-all)
+    chunks = m["cp"] if plan.cp_mode == "alltoall" else 2 * m["cp"]
+    assert m["cp"] == 1 or facts.seq % chunks == 0
     split_heads = {n for nodes in plan.placements["nodes_by_block_type"].values()
                    for n, s in nodes.items() if s == "split"}
     for op in graph.ops:  # attention splits over tp only by whole heads
