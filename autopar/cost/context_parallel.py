@@ -63,6 +63,7 @@ from autopar.cost.comm import (
 from autopar.cost.compute import kernel_seconds
 from autopar.cost.config import ParallelConfig
 from autopar.cost.data_parallel import overlapped
+from autopar.cost.engines import engine_features
 from autopar.cost.hardware import Cluster
 from autopar.ir.graph import Block, Graph, OpKind
 
@@ -114,19 +115,33 @@ def attention_tensors(graph: Graph, block: Block) -> list[AttentionTensors]:
     return out
 
 
-def ulysses_refusal(heads: int, kv_heads: int, tp: int, degree: int) -> str | None:
+def ulysses_refusal(heads: int, kv_heads: int, tp: int, degree: int,
+                    replicate_kv: bool = False) -> str | None:
     """Why an all-to-all over ``degree`` cp ranks cannot give each rank whole heads of a
     tensor-parallel rank's ``heads / tp`` query and ``kv_heads / tp`` key/value heads, or
-    None when it can."""
+    None when it can. With ``replicate_kv`` (an engine that repeats the key/value heads per
+    query head first: :func:`kv_replication`) only the query heads must divide."""
     if degree <= 1:
         return None
     q_local = heads // tp if heads % tp == 0 else heads
     kv_local = kv_heads // tp if kv_heads % tp == 0 else kv_heads
-    if q_local % degree or kv_local % degree:
+    if q_local % degree or (kv_local % degree and not replicate_kv):
         return (f"all-to-all context parallelism over {degree} ranks needs the query and "
                 f"key/value heads of each tp rank ({q_local} and {kv_local} at tp={tp}) "
                 f"divisible by {degree}")
     return None
+
+
+def kv_replication(heads: int, kv_heads: int, tp: int, degree: int,
+                   replicate_kv: bool) -> float:
+    """How many times larger the keys and values an all-to-all over ``degree`` ranks moves
+    are than the model's: the query heads per key/value head when the key/value heads of a tp
+    rank do not divide ``degree`` and the engine repeats them per query head, else 1."""
+    q_local = heads // tp if heads % tp == 0 else heads
+    kv_local = kv_heads // tp if kv_heads % tp == 0 else kv_heads
+    if degree <= 1 or not replicate_kv or kv_local % degree == 0:
+        return 1.0
+    return q_local / kv_local
 
 
 def all_to_all_ranks(cp: int, cp_mode: str, tp: int, ep: int, devices_per_node: int) -> int:
@@ -203,18 +218,20 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
     fwd_comm = bwd_comm = 0.0
     fwd_exposed = bwd_exposed = 0.0
     overlap = cluster.device.overlap
+    replicate = engine_features(config.engine).ulysses_replicates_kv
     for t in tensors:
-        reason = ulysses_refusal(t.heads, t.kv_heads, tp, a2a)
+        reason = ulysses_refusal(t.heads, t.kv_heads, tp, a2a, replicate)
         if reason is not None:
             raise ValueError(reason)
+        repeat = kv_replication(t.heads, t.kv_heads, tp, a2a, replicate)
         q_split = tp if t.heads % tp == 0 else 1
         per_rank = byte_scale / cp
         kv_bytes = (t.k_bytes + t.v_bytes) * per_rank / kv_split
         if a2a > 1:  # q, k, v and the output re-sharded between sequence and heads
             group = AxisPlacement(a2a, min(a2a, placement.per_node),
                                   -(-a2a // min(a2a, placement.per_node)))
-            sizes = (t.q_bytes * per_rank / q_split, t.k_bytes * per_rank / kv_split,
-                     t.v_bytes * per_rank / kv_split, t.out_bytes * per_rank / q_split)
+            sizes = (t.q_bytes * per_rank / q_split, t.k_bytes * per_rank / kv_split * repeat,
+                     t.v_bytes * per_rank / kv_split * repeat, t.out_bytes * per_rank / q_split)
             seconds = sum(collective_time("all_to_all", b, group, cluster) for b in sizes)
             fwd_comm += seconds
             bwd_comm += seconds
@@ -249,4 +266,4 @@ def context_parallel_comm(graph: Graph, block: Block, config: ParallelConfig,
 
 __all__ = ["AttentionTensors", "ContextParallelComm", "all_to_all_degree", "all_to_all_ranks",
            "attention_tensors", "ring_blocks", "ring_merge_seconds",
-           "context_parallel_comm", "ulysses_refusal"]
+           "context_parallel_comm", "kv_replication", "ulysses_refusal"]

@@ -97,6 +97,10 @@ class EngineFeatures:
     # pipeline stages send whole activations under sequence parallelism (autopar's runtime
     # gathers at a stage's last layer); Megatron sends the sequence shard, 1 / tp of them
     whole_p2p_under_sp: bool = False
+    # all-to-all (Ulysses) context parallelism with fewer key/value heads per tp rank than cp
+    # ranks: autopar's runtime repeats them per query head before the all-to-all
+    # (parallel/alltoall_attention.py); elsewhere such a split is refused
+    ulysses_replicates_kv: bool = False
 
 
 # bytes per logit element the loss holds at its peak, given the compute dtype's bytes (see
@@ -112,7 +116,7 @@ ENGINE_FEATURES = {
     "autopar": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=True,
                               param_gather_overlap=False, zero2_per_microbatch=True,
                               p2p_overlap_1f1b=True, fsdp_copies=True, fp32_param_master=True,
-                              whole_p2p_under_sp=True),
+                              whole_p2p_under_sp=True, ulysses_replicates_kv=True),
     "megatron": EngineFeatures(tp_comm_overlap=False, grad_reduce_overlap=False,
                                param_gather_overlap=False, zero2_per_microbatch=False,
                                p2p_overlap_1f1b=False, fsdp_copies=False,

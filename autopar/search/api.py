@@ -119,7 +119,7 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if pins.get("cp", 1) > 1 and engine == "autopar" and facts.cp_refusal is not None:
         raise PlanError(f"cp={pins['cp']} does not run on this model ({facts.cp_refusal}); "
                         f"re-plan with constraints cp=1, or engine=megatron to export it")
-    _check_pins(pins, facts, devices, global_batch)
+    _check_pins(pins, facts, devices, global_batch, engine)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
     if engine == "autopar":
@@ -235,7 +235,7 @@ def _shape(graph: Graph) -> dict[str, int]:
     return model_shape(graph.model_config, seq) if graph.model_config else {}
 
 
-def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
+def _check_pins(pins: dict, facts, devices: int, global_batch: int, engine: str) -> None:
     """A pinned degree that can never work gets its own message, not a generic 'no plan'."""
     product = 1
     for axis in ("pp", "dp", "cp", "ep", "tp"):
@@ -264,7 +264,7 @@ def _check_pins(pins: dict, facts, devices: int, global_batch: int) -> None:
     if pins.get("cp", 1) > 1 and pins.get("cp_mode", "ring") == "alltoall":
         tps = [pins["tp"]] if "tp" in pins else [t for t in range(1, devices + 1)
                                                   if devices % t == 0 and facts.tp_ok(t)]
-        reasons = [facts.ulysses_refusal(t, pins["cp"]) for t in tps]
+        reasons = [facts.ulysses_refusal(t, pins["cp"], engine) for t in tps]
         if all(reasons):
             raise PlanError(f"{reasons[0]}; pin cp_mode=ring (or hybrid), or a cp that divides "
                             f"the heads")

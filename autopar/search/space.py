@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from autopar.cost.activations import storage_root
 from autopar.cost.context_parallel import all_to_all_ranks, ulysses_refusal
+from autopar.cost.engines import engine_features
 from autopar.cost.tp_layout import megatron_layout
 from autopar.ir.graph import Graph, OpKind
 from autopar.peft import is_added_param
@@ -54,13 +55,15 @@ class ModelFacts:
     def ep_ok(self, ep: int) -> bool:
         return ep == 1 or (self.experts > 0 and self.experts % ep == 0)
 
-    def ulysses_refusal(self, tp: int, degree: int) -> str | None:
+    def ulysses_refusal(self, tp: int, degree: int, engine: str | None = None) -> str | None:
         """Why an all-to-all (Ulysses) over ``degree`` context-parallel ranks cannot split
-        the attention heads of a tp rank, or None when it can."""
+        the attention heads of a tp rank under ``engine`` (None: one that does not repeat
+        key/value heads), or None when it can."""
         if len(self.heads) < 1:
             return None
         query, kv = max(self.heads), min(self.heads)
-        return ulysses_refusal(query, kv, tp, degree)
+        replicate = engine is not None and engine_features(engine).ulysses_replicates_kv
+        return ulysses_refusal(query, kv, tp, degree, replicate)
 
 
 def model_facts(graph: Graph) -> ModelFacts:
@@ -185,7 +188,7 @@ def cp_modes(facts: ModelFacts, cp: int, tp: int, ep: int, devices_per_node: int
             continue
         if facts.seq % (cp if mode == "alltoall" else 2 * cp):
             continue
-        if facts.ulysses_refusal(tp, a2a) is not None:
+        if facts.ulysses_refusal(tp, a2a, engine) is not None:
             continue
         out.append(mode)
     return out
@@ -219,7 +222,7 @@ def legal_meshes(facts: ModelFacts, devices: int, global_batch: int, devices_per
                         continue
                     for mode in cp_modes(facts, cp, tp, ep, devices_per_node, pins, engine):
                         a2a = all_to_all_ranks(cp, mode, tp, ep, devices_per_node)
-                        if facts.ulysses_refusal(tp, a2a) is not None:
+                        if facts.ulysses_refusal(tp, a2a, engine) is not None:
                             continue  # Ulysses' all-to-all needs whole heads per rank
                         mesh = Mesh(pp, dp, tp, ep, cp, mode)
                         if all(getattr(mesh, k) == v for k, v in pins.items()

@@ -5,6 +5,8 @@ the heads do not divide, and plans with cp > 1 priced but not compiled."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ from autopar.cost.block_cost import (
 )
 from autopar.cost.compute import op_time
 from autopar.cost.config import ParallelConfig
-from autopar.cost.context_parallel import context_parallel_comm
+from autopar.cost.context_parallel import context_parallel_comm, kv_replication, ulysses_refusal
 from autopar.cost.estimate import estimate
 from autopar.cost.hardware import load_cluster
 from autopar.cost.tp_layout import cache_split, tp_layout
@@ -80,9 +82,10 @@ def test_ring_kv_passes_hide_under_long_attention_and_show_under_short() -> None
 
 def test_alltoall_refused_where_heads_do_not_divide_and_priced_where_they_do(llama_8k) -> None:
     # 8 key/value heads over tp=8 leave one per rank: no all-to-all over 2 cp ranks splits it
+    # (autopar's runtime repeats it per query head: test_alltoall_with_too_few_kv_heads...)
     with pytest.raises(autopar.PlanError, match="divisible by 2"):
         autopar.plan(llama_8k, devices=16, cluster="h100-80g", global_batch=8,
-                     constraints=dict(tp=8, cp=2, cp_mode="alltoall"))
+                     constraints=dict(tp=8, cp=2, cp_mode="alltoall", engine="megatron"))
     plan = autopar.plan(llama_8k, devices=16, cluster="h100-80g", global_batch=8,
                         constraints=dict(tp=4, cp=2, cp_mode="alltoall", pp=1))
     assert plan.mesh["cp"] == 2 and plan.cp_mode == "alltoall"
@@ -137,13 +140,13 @@ def test_hybrid_is_all_to_all_inside_a_node_and_allgather_is_exposed(llama_8k) -
     assert inside.cp_fwd_comm_s == pytest.approx(layer(tp=2, cp=4, cp_mode="alltoall")
                                                  .cp_fwd_comm_s)
     # 4 cp ranks 4 apart span two nodes: all-to-all in pairs, a ring of 2 across
-    # (an all-to-all over all 4 would need 2 kv heads per tp rank to split 4 ways: refused)
+    # (an all-to-all over all 4 splits 2 kv heads per tp rank 4 ways only by repeating them)
     across = layer(tp=4, cp=4, cp_mode="hybrid")
     assert across.cp_fwd_comm_s > 0
     assert across.cp_fwd_comm_s != pytest.approx(layer(tp=4, cp=4, cp_mode="ring")
                                                  .cp_fwd_comm_s)
-    with pytest.raises(ValueError, match="divisible by 4"):
-        layer(tp=4, cp=4, cp_mode="alltoall")
+    with pytest.raises(ValueError, match="divisible by 4"):  # where kv heads are not repeated
+        layer(tp=4, cp=4, cp_mode="alltoall", engine="megatron")
     # Llama 3's all-gather waits for K/V; the ring hides its passes under 8k attention
     gathered, ring = layer(tp=8, cp=2, cp_mode="allgather"), layer(tp=8, cp=2)
     assert gathered.cp_fwd_comm_s > ring.cp_fwd_comm_s > 0
@@ -170,3 +173,28 @@ def test_a_ring_runs_attention_one_key_block_at_a_time() -> None:
     short, long = extra(2048), extra(32768)
     assert short > 0 and long > 0
     assert long < short
+
+
+def test_alltoall_with_too_few_kv_heads_is_priced_with_them_repeated(tmp_path) -> None:
+    """Tiny Llama's 2 key/value heads over 4 all-to-all ranks run only where the engine
+    repeats them per query head first (autopar's runtime), and then move as many bytes as a
+    model with 4 key/value heads: the same exchange as the MHA twin's."""
+    assert ulysses_refusal(32, 8, 8, 2) is not None  # Llama-3-8B at tp=8: 1 kv head per rank
+    assert ulysses_refusal(32, 8, 8, 2, replicate_kv=True) is None
+    assert kv_replication(32, 8, 8, 2, True) == 4.0
+    assert kv_replication(32, 8, 4, 2, True) == 1.0  # 2 per rank split over 2: no repeat
+    config = json.loads((Path(autopar.__file__).parent / "models/configs/tiny-llama.json")
+                        .read_text())
+    (tmp_path / "mha.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    gqa = autopar.capture("tiny-llama", seq=256)
+    mha = autopar.capture(str(tmp_path / "mha.json"), seq=256)
+    cluster = load_cluster("h100-80g")
+
+    def comm(graph, engine: str = "autopar") -> float:
+        config = resolve_precision(ParallelConfig(cp=4, cp_mode="alltoall", engine=engine),
+                                   cluster)
+        return block_cost(graph, graph.layer_blocks[0], config, cluster, "none").cp_fwd_comm_s
+
+    assert comm(gqa) == pytest.approx(comm(mha), rel=1e-9)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        comm(gqa, engine="megatron")

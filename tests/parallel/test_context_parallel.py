@@ -187,12 +187,15 @@ def reference() -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("pins", [dict(cp=2, cp_mode="ring"), dict(cp=2, cp_mode="alltoall"),
-                                  dict(cp=4, cp_mode="ring"), dict(cp=4, cp_mode="hybrid")],
-                         ids=["cp2-ring", "cp2-alltoall", "cp4-ring", "cp4-hybrid"])
+                                  dict(cp=4, cp_mode="ring"), dict(cp=4, cp_mode="hybrid"),
+                                  dict(cp=4, cp_mode="alltoall")],
+                         ids=["cp2-ring", "cp2-alltoall", "cp4-ring", "cp4-hybrid",
+                              "cp4-alltoall"])
 def test_parallelize_context_parallel_in_your_own_loop(pins: dict, reference) -> None:
     """Tiny Llama (4 query heads, 2 key/value heads) at 256 tokens, the plan drawn with cp
     pinned, applied by autopar.parallelize: losses over 4 steps and the first step's
-    gradients equal one process's."""
+    gradients equal one process's. (cp4 all-to-all: 2 key/value heads over 4 ranks, repeated
+    per query head first, as the planner prices it.)"""
     plan = _llama_plan(pins["cp"], **pins)
     assert (plan.mesh["cp"], plan.cp_mode) == (pins["cp"], pins["cp_mode"])
     if plan.cp_mode == "hybrid":  # the "cpu" cluster's 2 devices per node: pairs, and a ring
