@@ -1,9 +1,9 @@
 """Context parallelism applied to a model: each of the ``cp`` ranks holds a load-balanced
 share of every sequence (:mod:`autopar.parallel.cp_layout`), runs everything token-wise on it
 as usual, and attention over the whole sequence by ring (:mod:`autopar.parallel.ring_attention`),
-all-to-all (:mod:`autopar.parallel.alltoall_attention`) or both (all-to-all inside groups of
-cp ranks, a ring across them: :mod:`autopar.parallel.hybrid_attention`) over the cp process
-group.
+all-to-all (:mod:`autopar.parallel.alltoall_attention`), both (all-to-all inside groups of
+cp ranks, a ring across them: :mod:`autopar.parallel.hybrid_attention`) or an all-gather of
+the keys and values (:mod:`autopar.parallel.allgather_attention`) over the cp process group.
 
 Hugging Face decoders (Llama, Qwen2, Mistral, ...) get the cp attention through transformers'
 attention interface (registered under :data:`CP_ATTENTION`, selected with
@@ -24,6 +24,7 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.models.gpt import GPT, Attention
+from autopar.parallel.allgather_attention import allgather_attention
 from autopar.parallel.alltoall_attention import alltoall_attention, alltoall_heads_refusal
 from autopar.parallel.cp_layout import global_positions, shard_sequence
 from autopar.parallel.cp_sdpa import hook_sdpa
@@ -34,13 +35,13 @@ from autopar.parallel.ring_attention import ring_attention
 CP_ATTENTION = "autopar_context_parallel"
 # the attribute of each attention module (and of the model) holding its ContextParallel
 CP_ATTR = "_autopar_context_parallel"
-RUNS_MODES = ("ring", "alltoall", "hybrid")
+RUNS_MODES = ("ring", "alltoall", "hybrid", "allgather")
 
 
 @dataclass(frozen=True)
 class ContextParallel:
     """This rank's place in context parallelism: the cp process group, its rank in it, the
-    degree and the mode (ring | alltoall | hybrid; for hybrid, this rank's all-to-all and ring
+    degree and the mode (ring | alltoall | hybrid | allgather; for hybrid, this rank's all-to-all and ring
     groups)."""
 
     group: object
@@ -77,7 +78,8 @@ class ContextParallel:
         """Attention over the whole sequence for this rank's queries (B, H, S/cp, D)."""
         if self.mode == "hybrid":
             return hybrid_attention(q, k, v, self.inner, self.outer, scale=scale, causal=causal)
-        attend = ring_attention if self.mode == "ring" else alltoall_attention
+        attend = {"ring": ring_attention, "alltoall": alltoall_attention,
+                  "allgather": allgather_attention}[self.mode]
         return attend(q, k, v, self.group, scale=scale, causal=causal)
 
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
@@ -153,8 +155,8 @@ def context_parallel_for(model: nn.Module, group, mode: str, tp: int = 1,
     decoder or autopar's GPT), after checking that each tp rank's heads split over the ranks
     the mode re-shards them to (one-line PlanError)."""
     if mode not in RUNS_MODES:
-        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring, alltoall "
-                        f"and hybrid; re-plan with one of them")
+        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs "
+                        f"{', '.join(RUNS_MODES)}; re-plan with one of them")
     cp = _context_parallel(group, mode, all_to_all_ranks)
     if isinstance(model, GPT):
         heads = kv_heads = model.cfg.n_heads // tp
@@ -185,8 +187,8 @@ def apply_context_parallel(model: nn.Module, group, mode: str, tp: int = 1,
     :class:`ContextParallel`. ``tp``: the tensor-parallel degree (all-to-all splits each tp
     rank's heads over cp); ``all_to_all_ranks``: hybrid's all-to-all group size."""
     if mode not in RUNS_MODES:
-        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs ring, alltoall "
-                        f"and hybrid; re-plan with one of them")
+        raise PlanError(f"context parallelism cp_mode={mode}: the runtime runs "
+                        f"{', '.join(RUNS_MODES)}; re-plan with one of them")
     if isinstance(model, GPT):
         return _apply_to_gpt(model, group, mode, tp, all_to_all_ranks)
     config = getattr(model, "config", None)

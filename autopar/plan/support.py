@@ -19,14 +19,13 @@ if TYPE_CHECKING:
 # whether autopar's runtime runs context parallelism (cp > 1): ring, all-to-all and hybrid attention on
 # Hugging Face decoders and autopar's GPT (autopar.parallel.context_parallel), pipeline stages too
 RUNTIME_RUNS_CP = True
-# the cp modes it runs (allgather is priced and exported only)
-RUNTIME_CP_MODES = ("ring", "alltoall", "hybrid")
+# the cp modes it runs
+RUNTIME_CP_MODES = ("ring", "alltoall", "hybrid", "allgather")
 
 
 # the cp modes each engine's runtime runs (autopar's: when RUNTIME_RUNS_CP): Megatron-Core's
 # --cp-comm-type offers p2p (ring), a2a, a2a+p2p (hybrid) and all_gather; Llama 3's 4D
-# engine all-gathers K/V (arXiv 2407.21783, Sec. 3.3.2); autopar's runtime runs ring,
-# all-to-all and hybrid attention. Engines not named (DeepSpeed, llm-foundry) export no cp
+# engine all-gathers K/V (arXiv 2407.21783, Sec. 3.3.2); autopar's runtime runs all four. Engines not named (DeepSpeed, llm-foundry) export no cp
 _CP_MODES_BY_ENGINE = {
     "autopar": RUNTIME_CP_MODES,
     "megatron": ("ring", "alltoall", "hybrid", "allgather"),
@@ -69,8 +68,8 @@ def context_parallel_refusal(engine: str, cp: int, mode: str = "ring") -> str | 
                 f"plan is priced and reported only (re-plan with constraints cp=1 to run it, "
                 f"or engine=megatron to export it)")
     if mode not in RUNTIME_CP_MODES:
-        return (f"context parallelism with cp_mode={mode} (it runs ring, alltoall and hybrid; the plan "
-                f"is priced and reported only: re-plan with constraints cp_mode=ring)")
+        return (f"context parallelism with cp_mode={mode} (it runs "
+                f"{', '.join(RUNTIME_CP_MODES)}; re-plan with constraints cp_mode=ring)")
     return None
 
 

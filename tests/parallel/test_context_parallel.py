@@ -45,7 +45,10 @@ def _compare_attention(mode: str, kv_heads: int) -> dict[str, float]:
         inner, outer = hybrid_groups(dist.group.WORLD, 2)
         result = hybrid_attention(*mine, inner, outer)
     else:
-        attend = ring_attention if mode == "ring" else alltoall_attention
+        from autopar.parallel.allgather_attention import allgather_attention
+
+        attend = {"ring": ring_attention, "alltoall": alltoall_attention,
+                  "allgather": allgather_attention}[mode]
         result = attend(*mine, dist.group.WORLD)
     result.backward(shard_sequence(grad, me, cp, dim=2))
     diffs = {"out": (result - shard_sequence(reference, me, cp, dim=2)).abs().max()}
@@ -58,7 +61,7 @@ def _compare_attention(mode: str, kv_heads: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode,kv_heads", [("ring", 2), ("ring", 4), ("alltoall", 2),
-                                           ("alltoall", 4)])
+                                           ("alltoall", 4), ("allgather", 2)])
 def test_cp_attention_equals_whole_sequence_causal_sdpa(world: int, mode: str,
                                                         kv_heads: int) -> None:
     """Forward output and q/k/v gradients of each rank's load-balanced share within 1e-5 of
@@ -188,9 +191,10 @@ def reference() -> tuple[list[float], dict]:
 
 @pytest.mark.parametrize("pins", [dict(cp=2, cp_mode="ring"), dict(cp=2, cp_mode="alltoall"),
                                   dict(cp=4, cp_mode="ring"), dict(cp=4, cp_mode="hybrid"),
-                                  dict(cp=4, cp_mode="alltoall")],
+                                  dict(cp=4, cp_mode="alltoall"),
+                                  dict(cp=2, cp_mode="allgather")],
                          ids=["cp2-ring", "cp2-alltoall", "cp4-ring", "cp4-hybrid",
-                              "cp4-alltoall"])
+                              "cp4-alltoall", "cp2-allgather"])
 def test_parallelize_context_parallel_in_your_own_loop(pins: dict, reference) -> None:
     """Tiny Llama (4 query heads, 2 key/value heads) at 256 tokens, the plan drawn with cp
     pinned, applied by autopar.parallelize: losses over 4 steps and the first step's
@@ -290,8 +294,8 @@ def test_layout_round_trips_and_pairs_early_with_late_chunks() -> None:
 
 
 def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
-    """The mode it prices but does not run (allgather), pipelines, experts, indivisible sequences and heads,
-    and models whose attention it cannot hook: each a one-line PlanError or reason."""
+    """Experts, indivisible sequences and heads, an unknown mode, and models whose attention it
+    cannot hook: each a one-line PlanError or reason (every mode the planner prices runs)."""
     from autopar.errors import PlanError
     from autopar.models import GPT, GPTConfig
     from autopar.parallel.alltoall_attention import alltoall_heads_refusal
@@ -302,7 +306,8 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
     assert context_parallel_refusal("autopar", 2, "ring") is None
     assert context_parallel_refusal("autopar", 4, "alltoall") is None
     assert context_parallel_refusal("autopar", 4, "hybrid") is None  # run since this stop
-    assert "cp_mode=allgather" in context_parallel_refusal("autopar", 2, "allgather")
+    assert context_parallel_refusal("autopar", 2, "allgather") is None  # run since stop 41
+    assert "cp_mode=zigzag" in context_parallel_refusal("autopar", 2, "zigzag")
     assert unsupported_combination(  # pp x cp runs since this stop
         engine="autopar", dp=1, tp=1, pp=2, ep=1, cp=2, zero_stage=0, sequence_parallel=False,
         offload=frozenset(), num_microbatches=2) is None
@@ -325,8 +330,8 @@ def test_what_context_parallelism_refuses_says_why_in_one_line() -> None:
                             fused_attention=False))
     with pytest.raises(PlanError, match="fused_attention=True"):
         apply_context_parallel(unfused, None, "ring")
-    with pytest.raises(PlanError, match="runs ring, alltoall and hybrid"):
-        apply_context_parallel(unfused, None, "allgather")
+    with pytest.raises(PlanError, match="runs ring, alltoall, hybrid, allgather"):
+        apply_context_parallel(unfused, None, "zigzag")
 
 
 @pytest.mark.parametrize("mode", ["ring", "alltoall"])
