@@ -147,7 +147,7 @@ def host_states(offload: frozenset[str] | set[str], engine: str, train: bool = T
     return frozenset(offload) & STATE_OFFLOADS
 
 
-def _fully_sharded(config: ParallelConfig, mem: MemoryBreakdown, blocks: list
+def fully_sharded_states(config: ParallelConfig, mem: MemoryBreakdown, blocks: list
                    ) -> MemoryBreakdown:
     """The model states ``mem`` holds, sharded as fully_shard shards them whatever the ZeRO
     stage (dense over dp x ep ranks, experts over dp): what CPUOffloadPolicy keeps on the
@@ -206,7 +206,7 @@ def offload_transfer(config: ParallelConfig, mem: MemoryBreakdown, blocks: list,
     states = host_states(config.offload, config.engine, train)
     largest = max((c.dense_params + c.expert_params for c, _ in blocks), default=0.0)
     if train and config.engine == "autopar" and states:
-        on_host = _fully_sharded(config, mem, blocks)
+        on_host = fully_sharded_states(config, mem, blocks)
         host += on_host.params + on_host.grads + on_host.optimizer
         gathers = 2 if config.zero_stage >= 3 else 1
         streamed = (on_host.params * gathers + on_host.grads) * num_microbatches

@@ -238,13 +238,14 @@ def stage_footprint(graph: Graph, config: ParallelConfig, cluster: Cluster, stag
 
 def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: int,
                blocks: tuple[int, int], train: bool, modes: tuple[str, ...] | None = None,
-               block_costs: dict | None = None) -> StageCost:
+               block_costs: dict | None = None, footprint: tuple | None = None) -> StageCost:
     """One pipeline stage holding ``blocks`` ([start, end)) as stage ``stage`` of the config:
     its per-micro-batch forward and backward (with the tensor/expert-parallel collectives and
     the per-micro-batch ZeRO collectives), its memory, and what it adds to the step after the
     pipelined micro-batches (``tail_s``: once-per-step data-parallel collectives, offload
     transfers and the optimizer update). ``config`` must carry its precision; ``modes`` and
-    ``block_costs`` are as in :func:`stage_footprint`."""
+    ``block_costs`` are as in :func:`stage_footprint`; ``footprint`` is what it returned for
+    these arguments, when the caller has it already (the search's fit check)."""
     precision = config.precision
     assert precision is not None, "resolve the precision first"
     device = cluster.device
@@ -252,8 +253,8 @@ def stage_cost(graph: Graph, config: ParallelConfig, cluster: Cluster, stage: in
     start, end = blocks
     m = config.num_microbatches
     zero = config.zero_stage if train else 0
-    costs, mem, host_bytes, offload_s = stage_footprint(graph, config, cluster, stage, blocks,
-                                                        train, modes, block_costs)
+    costs, mem, host_bytes, offload_s = footprint or stage_footprint(
+        graph, config, cluster, stage, blocks, train, modes, block_costs)
     replicated = config.dense_replicas > 1
     # a forward-only pass (prefill) runs the forward's collectives only; an engine that
     # overlaps tp collectives with their GEMMs puts only what is left on the lane; context

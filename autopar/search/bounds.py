@@ -16,6 +16,7 @@ from autopar.cost.estimate import p2p_hidden_share
 from autopar.cost.hardware import Cluster
 from autopar.cost.memory import (
     MemoryBreakdown,
+    fully_sharded_states,
     host_states,
     inflight_microbatches,
     model_state_bytes,
@@ -57,10 +58,8 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     if "activations" in config.offload:
         held = [min(h, 1.0) for h in held]
     types = [(blocks[0].index, len(blocks)) for blocks in graph.block_types().values()]
-    stored = {mode: [cached_block_cost(graph, i, config, cluster, mode) for i, _ in types]
-              for mode in MODES}
-    acts = sum(c.activation_bytes * count for c, (_, count) in zip(stored["none"], types,
-                                                                    strict=True))
+    plain = [cached_block_cost(graph, i, config, cluster, "none") for i, _ in types]
+    acts = sum(c.activation_bytes * count for c, (_, count) in zip(plain, types, strict=True))
     # stage s keeps held_s micro-batches: its activations are at most (capacity - its states)
     # / held_s; summed over stages, with the states (pp x the floor) placed where they cost
     # the least room, the stages keep at most capacity x sum(1 / held_s) - pp x floor / max(held)
@@ -69,6 +68,8 @@ def _recompute_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     need = acts - room
     if need <= 0:
         return 0.0
+    stored = {mode: [cached_block_cost(graph, i, config, cluster, mode) for i, _ in types]
+              for mode in MODES}
     steps: list[tuple[float, float]] = []  # (seconds per byte, bytes) of every hull step
     for t, (_, count) in enumerate(types):
         points = [(0.0, 0.0)] + [
@@ -276,10 +277,25 @@ def memory_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
     floor = _offloaded_floor(graph, facts, config, train)
     total = floor.params + floor.grads + floor.optimizer
     if train:
-        lean = sum(cached_block_cost(graph, i, config, cluster, "full").activation_bytes
-                   for i in range(len(graph.blocks)))
+        lean = sum(len(blocks) * cached_block_cost(graph, blocks[0].index, config, cluster,
+                                                   "full").activation_bytes
+                   for blocks in graph.block_types().values())
         total += lean / config.pp
     return total
+
+
+def host_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,
+                     config: ParallelConfig, train: bool) -> float:
+    """No node of this candidate keeps less in host memory: the offloaded share of the states
+    floor (as :func:`offload_transfer` keeps it) for each of the node's devices. Checked before
+    any partition is priced, so a model whose states no host can take is refused at once."""
+    states = host_states(config.offload, config.engine, train)
+    if not states:
+        return 0.0
+    floor = _states_floor(graph, facts, config, train)
+    if train and config.engine == "autopar":
+        floor = fully_sharded_states(config, floor, [])
+    return sum(getattr(floor, state) for state in states) * cluster.devices_per_node
 
 
 def _update_time_lower_bound(graph: Graph, facts: ModelFacts, cluster: Cluster,

@@ -12,7 +12,19 @@ from autopar.search.space import ModelFacts, divisors
 
 def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
                        capacity: float, leanest: tuple | None, rejected: dict,
-                       global_batch: int, reasons: set[str] | None = None) -> str:
+                       global_batch: int, reasons: set[str] | None = None,
+                       host_leanest: tuple | None = None, host_capacity: float = 0.0) -> str:
+    host = ""
+    if host_leanest is not None:
+        need, config = host_leanest
+        host = (f"the leanest candidate that offloads to the host ({_mesh(config)}) keeps "
+                f"{human(need, 'B')} per node there, above the node's "
+                f"{human(host_capacity, 'B')} of host memory")
+        if leanest is None:
+            return (f"no plan fits {devices} x {cluster.name}: every candidate a device's "
+                    f"{human(capacity, 'B')} holds offloads model states, and {host}; use "
+                    f"more devices (the states shard over them) or nodes with more host "
+                    f"memory")
     if leanest is None and rejected.get("runtime"):
         return (f"no plan for {devices} devices and global batch {global_batch} that the runtime "
                 f"can run: the constraints leave only combinations it does not support "
@@ -25,11 +37,7 @@ def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, device
                 f"batch divisible by the data-parallel degree, another device count, or fewer "
                 f"constraints")
     need, config, est = leanest
-    cp = f" cp={config.cp}" if config.cp > 1 else ""
-    where = (f"the leanest candidate (pp={config.pp} dp={config.dp}{cp} tp={config.tp} "
-             f"ep={config.ep}, ZeRO-{config.zero_stage}, full recompute"
-             f"{', offload ' + '+'.join(sorted(config.offload)) if config.offload else ''}) "
-             f"needs {human(need, 'B')}")
+    where = f"the leanest candidate ({_mesh(config)}) needs {human(need, 'B')}"
     if est is not None:
         mem = est.memory
         states = mem.params + mem.grads + mem.optimizer
@@ -56,5 +64,17 @@ def infeasible_message(graph: Graph, facts: ModelFacts, cluster: Cluster, device
                   f"weights, gradients and Adam states unsharded")
         way_out = (f"use at least tp={tp}, ZeRO-3, offload, or more devices" if tp and tp > 1
                    else "use more devices, offload, or a device with more memory")
+    if host:  # offload is no way out: the host cannot take the states either
+        where += f"; {host}"
+        way_out = ("use more devices (the states shard over them) or nodes with more host "
+                   "memory")
     return (f"no plan fits {human(capacity, 'B')} per device on {devices} x {cluster.name}: "
             f"{where}; {way_out}")
+
+
+def _mesh(config) -> str:
+    """A candidate as the message names it: mesh, ZeRO stage, full recompute, offload."""
+    cp = f" cp={config.cp}" if config.cp > 1 else ""
+    offload = ", offload " + "+".join(sorted(config.offload)) if config.offload else ""
+    return (f"pp={config.pp} dp={config.dp}{cp} tp={config.tp} ep={config.ep}, "
+            f"ZeRO-{config.zero_stage}, full recompute{offload}")

@@ -30,6 +30,7 @@ from autopar.plan.support import unsupported
 from autopar.search.best_first import BestFirst, CandidateGroup
 from autopar.search.bounds import (
     candidate_lower_bound,
+    host_lower_bound,
     memory_lower_bound,
     pipelined_work_lower_bound,
 )
@@ -225,6 +226,8 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
         found: list[tuple[float, tuple, ParallelConfig, Estimate]] = []
         evaluated = pruned = 0
         leanest: tuple[float, ParallelConfig, Estimate | None] | None = None
+        # the offloading candidate whose node keeps least on the host, when hosts ruled out
+        host_leanest: tuple[float, ParallelConfig] | None = None
         bound = float("inf")
         timed_out = False
         rival = CpRival.of([g.base for g in groups])
@@ -252,6 +255,14 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                 if leanest is None or floor < leanest[0]:
                     leanest = (floor, config, None)
                 continue
+            host_floor = host_lower_bound(graph, facts, cluster, config, train)
+            if host_floor > host_capacity:
+                rejected["host memory"] = rejected.get("host memory", 0) + 1
+                rival.over_memory(config)
+                memory_rejected.append(cand.lower_bound_s)
+                if host_leanest is None or host_floor < host_leanest[0]:
+                    host_leanest = (host_floor, config)
+                continue
             evaluated += 1
             # only plans within the robustness margin of the best so far can matter
             cutoff = (best[1].step_time_s * (1 + ROBUST_MARGIN) if best is not None
@@ -269,7 +280,12 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                 lean_config = replace(config, recompute=pinned_recompute or "full",
                                       stages=None)
                 lean = estimate(graph, cluster, lean_config, task)
-                if leanest is None or lean.memory.total < leanest[0]:
+                if lean.memory.total <= capacity < float("inf") and \
+                        lean.host_bytes_per_node > host_capacity:
+                    # the device holds it, the node's host does not
+                    if host_leanest is None or lean.host_bytes_per_node < host_leanest[0]:
+                        host_leanest = (lean.host_bytes_per_node, lean_config)
+                elif leanest is None or lean.memory.total < leanest[0]:
                     leanest = (lean.memory.total, lean_config, lean)
                 continue
             config, est = chosen
@@ -308,7 +324,8 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
             break  # no wider tensor-parallel degree to try across nodes
     if result is None:
         raise InfeasibleError(infeasible_message(graph, facts, cluster, devices, capacity,
-                                                  leanest, rejected, global_batch, reasons))
+                                                  leanest, rejected, global_batch, reasons,
+                                                  host_leanest, host_capacity))
     if progress:
         progress(1.0, "done")
     return result

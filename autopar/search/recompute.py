@@ -49,6 +49,16 @@ def _vectors_as_floats(n: int, modes: int) -> tuple[np.ndarray, np.ndarray]:
     return floats, masks
 
 
+@lru_cache(maxsize=16)
+def _mask_bits(modes: int) -> np.ndarray:
+    """Row ``mask``: 1.0 where bit j of ``mask`` is set (the modes a set of vectors uses), so
+    the recompute peak of each mode set is one row-wise max of the products with the peaks
+    (peaks are not negative, so an empty set's is 0)."""
+    bits = ((np.arange(1 << modes)[:, None] >> np.arange(modes)[None, :]) & 1).astype(float)
+    bits.setflags(write=False)
+    return bits
+
+
 @lru_cache(maxsize=1024)
 def _count_vectors(n: int, modes: int) -> np.ndarray:
     """All (c_0, ..., c_{modes-1}) >= 0 summing to n, most 'none' first."""
@@ -72,6 +82,20 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
     together pass ``MAX_COMBINATIONS`` (many block types of many blocks), mode ``op`` is left
     out of the choice, which keeps the three coarser modes' exact answer.
     """
+    key = tuple((count, tuple(costs)) for count, costs in types)
+    found = _choose_memo(key, static_bytes, held, capacity_bytes, tuple(allowed))
+    if found is None:
+        return None
+    chosen, seconds = found
+    return [dict(c) for c in chosen], seconds
+
+
+@lru_cache(maxsize=65536)
+def _choose_memo(types: tuple, static_bytes: float, held: float, capacity_bytes: float,
+                 allowed: tuple[str, ...]) -> tuple[tuple[dict, ...], float] | None:
+    """:func:`choose_recompute` once per distinct question: candidates that differ only in
+    what a stage's blocks do not see (schedule, stage index, another mesh's same shard) ask it
+    again, about four times in five at 512 devices."""
     if "op" in allowed and _combinations(types, len(allowed)) > MAX_COMBINATIONS:
         allowed = tuple(m for m in allowed if m != "op")
     idx = [MODES.index(m) for m in allowed]
@@ -88,9 +112,7 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
         o_mem = floats @ a
         o_time = floats @ r
         # the peak of each set of used modes (0 for none), read per vector by its mask
-        peak_of_mask = np.array([max((p[j] for j in range(len(idx)) if mask >> j & 1),
-                                     default=0.0) for mask in range(1 << len(idx))])
-        o_peak = peak_of_mask[masks]
+        o_peak = (_mask_bits(len(idx)) * p[None, :]).max(axis=1)[masks]
         if len(mem) * len(opts) > MAX_COMBINATIONS:
             return None
         if not options_per_type:  # the first type: its own vectors
@@ -110,4 +132,4 @@ def choose_recompute(types: list[tuple[int, list[ModeCost]]], static_bytes: floa
     for opts, pk in zip(options_per_type, picks, strict=True):
         vec = opts[int(pk)]
         chosen.append({allowed[j]: int(vec[j]) for j in range(len(idx)) if vec[j]})
-    return chosen, float(time[best])
+    return tuple(chosen), float(time[best])

@@ -28,7 +28,7 @@ from autopar.cost.estimate import (
     stage_footprint,
 )
 from autopar.cost.hardware import Cluster
-from autopar.cost.memory import MemoryBreakdown, inflight_microbatches
+from autopar.cost.memory import inflight_microbatches
 from autopar.ir.graph import Graph
 from autopar.plan.support import recompute_modes
 from autopar.search.recompute import MODES, ModeCost, choose_recompute
@@ -112,18 +112,20 @@ class StagePlanner:
         return out
 
     def _footprint(self, start: int, end: int, stage: int, modes: tuple[str, ...]
-                   ) -> tuple[MemoryBreakdown, bool]:
-        """The stage's memory with these recompute modes, and whether it fits."""
-        _, mem, host, _ = stage_footprint(self.graph, self.config, self.cluster, stage,
-                                          (start, end), self.train, modes, self._blocks)
+                   ) -> tuple[tuple, bool]:
+        """The stage's footprint (:func:`stage_footprint`) with these recompute modes, and
+        whether it fits."""
+        footprint = stage_footprint(self.graph, self.config, self.cluster, stage,
+                                    (start, end), self.train, modes, self._blocks)
+        _, mem, host, _ = footprint
         fits = (mem.total <= self.capacity
                 and host * self.cluster.devices_per_node <= self.host_capacity)
-        return mem, fits
+        return footprint, fits
 
-    def _option(self, start: int, end: int, stage: int, modes: tuple[str, ...]
-                ) -> StageOption:
+    def _option(self, start: int, end: int, stage: int, modes: tuple[str, ...],
+                footprint: tuple | None = None) -> StageOption:
         cost = stage_cost(self.graph, self.config, self.cluster, stage, (start, end),
-                          self.train, modes, self._blocks)
+                          self.train, modes, self._blocks, footprint)
         return StageOption(cost, modes)
 
     def option(self, start: int, end: int, stage: int) -> StageOption | None:
@@ -139,11 +141,12 @@ class StagePlanner:
         if self.pinned is not None:
             modes = ((self.pinned,) * count if isinstance(self.pinned, str)
                      else tuple(self.pinned[start:end]))
-            fits = self._footprint(start, end, stage, modes)[1]
-            return self._option(start, end, stage, modes) if fits else None
-        plain, fits = self._footprint(start, end, stage, ("none",) * count)
+            footprint, fits = self._footprint(start, end, stage, modes)
+            return self._option(start, end, stage, modes, footprint) if fits else None
+        footprint, fits = self._footprint(start, end, stage, ("none",) * count)
         if fits:
-            return self._option(start, end, stage, ("none",) * count)
+            return self._option(start, end, stage, ("none",) * count, footprint)
+        plain = footprint[1]
         if not self._footprint(start, end, stage, ("full",) * count)[1]:
             return None
         c = self.config
@@ -175,8 +178,9 @@ class StagePlanner:
                 for i in indices[at:at + counts.get(mode, 0)]:
                     modes[i - start] = mode
                 at += counts.get(mode, 0)
-        if self._footprint(start, end, stage, tuple(modes))[1]:
-            return self._option(start, end, stage, tuple(modes))
+        footprint, fits = self._footprint(start, end, stage, tuple(modes))
+        if fits:
+            return self._option(start, end, stage, tuple(modes), footprint)
         return self._option(start, end, stage, ("full",) * count)
 
     def assemble(self, bounds: list[tuple[int, int]], options: list[StageOption]

@@ -13,7 +13,7 @@ from autopar.cost import ParallelConfig, estimate, load_cluster
 from autopar.cost.block_cost import resolve_precision
 from autopar.cost.config import ENGINES, SCHEDULES
 from autopar.cost.precision import FP32, Precision
-from autopar.search.bounds import candidate_lower_bound, memory_lower_bound
+from autopar.search.bounds import candidate_lower_bound, host_lower_bound, memory_lower_bound
 from autopar.search.space import OFFLOAD_CHOICES, divisors, model_facts
 
 CLUSTERS = ["a100-80g", "h100-80g", "v100-16g", "cpu"]
@@ -69,6 +69,7 @@ def test_lower_bounds_never_exceed_the_estimate(graphs, name: str) -> None:
     facts = model_facts(graph)
     rng = random.Random(hash(name) % 1000)
     kinds = set()
+    kinds_host = set()
     for _ in range(CASES_PER_MODEL):
         config, task = _random_config(rng, graph, facts)
         cluster = load_cluster(rng.choice(CLUSTERS))
@@ -82,10 +83,15 @@ def test_lower_bounds_never_exceed_the_estimate(graphs, name: str) -> None:
                                                        est.step_time_s)
         floor = memory_lower_bound(graph, facts, cluster, config, task != "infer")
         assert floor <= capacity * (1 + 1e-9), (config, task, floor, capacity)
+        host = host_lower_bound(graph, facts, cluster, config, task != "infer")
+        assert host <= est.host_bytes_per_node * (1 + 1e-9), (config, host,
+                                                              est.host_bytes_per_node)
+        kinds_host.add(host > 0)
         kinds.add((config.pp > 1, config.ep > 1, bool(config.offload), task,
                    config.schedule == "interleaved" and config.virtual_stages > 1))
     # the draw covered pipelines, interleaving and offload (and experts for MoE)
     assert {k[0] for k in kinds} == {True, False}
     assert any(k[2] for k in kinds) and any(k[4] for k in kinds)
+    assert kinds_host == {True, False}  # the host bound was not always zero
     if name == "tiny-mixtral":
         assert any(k[1] for k in kinds)

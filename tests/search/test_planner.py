@@ -90,6 +90,19 @@ def test_infeasible_budget_names_the_bound_and_the_way_out() -> None:
     assert "\n" not in message and "OPTIMAL" not in message and "status" not in message
 
 
+def test_a_model_no_host_can_offload_to_is_refused_naming_the_host() -> None:
+    """Llama-3-405B on 8 A100-80G: offloading its states would keep 5 TB on a node with
+    2.2 TB of host memory. The refusal says so (it once named an offloading candidate's 9 GB on
+    the device as the need) and does not offer offload as the way out."""
+    graph = autopar.capture("llama3-405b")
+    with pytest.raises(autopar.InfeasibleError) as info:
+        autopar.plan(graph, devices=8)
+    message = str(info.value)
+    assert "per node there, above the node's" in message and "of host memory" in message
+    way_out = message.rsplit("; ", 1)[1]
+    assert way_out.startswith("use more devices") and "offload" not in way_out
+
+
 def test_mixtral_expert_parallel_is_legal(mixtral) -> None:
     plan = autopar.plan(mixtral, devices=64, global_batch=512)
     _assert_legal(plan, mixtral)
