@@ -248,19 +248,15 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                 progress(cands.progress(), f"{k} candidates, {len(groups)} meshes")
             config = cand.config
             floor = memory_lower_bound(graph, facts, cluster, config, train)
-            if floor > capacity:
-                rejected["memory"] = rejected.get("memory", 0) + 1
-                rival.over_memory(config)
-                memory_rejected.append(cand.lower_bound_s)
-                if leanest is None or floor < leanest[0]:
-                    leanest = (floor, config, None)
-                continue
             host_floor = host_lower_bound(graph, facts, cluster, config, train)
-            if host_floor > host_capacity:
-                rejected["host memory"] = rejected.get("host memory", 0) + 1
+            if floor > capacity or host_floor > host_capacity:
+                kind = "memory" if floor > capacity else "host memory"
+                rejected[kind] = rejected.get(kind, 0) + 1
                 rival.over_memory(config)
                 memory_rejected.append(cand.lower_bound_s)
-                if host_leanest is None or host_floor < host_leanest[0]:
+                if floor > capacity and (leanest is None or floor < leanest[0]):
+                    leanest = (floor, config, None)
+                elif floor <= capacity and (host_leanest is None or host_floor < host_leanest[0]):
                     host_leanest = (host_floor, config)
                 continue
             evaluated += 1
