@@ -220,7 +220,9 @@ def bounds(facts: ModelFacts, cluster: Cluster, devices: int, global_batch: int,
     faster = [b for b in memory_rejected_bounds if b < est.step_time_s]
     memory = {
         "used_bytes": round6(est.memory.total), "limit_bytes": round6(capacity),
-        "rejected": rejected.get("memory", 0), "faster_rejected": len(faster),
+        # device or host memory: faster_rejected counts both, so this does too
+        "rejected": rejected.get("memory", 0) + rejected.get("host memory", 0),
+        "faster_rejected": len(faster),
         "best_rejected_bound_s": round6(min(faster)) if faster else None,
         "recompute_blocks": 0 if pinned_recompute else sum(m != "none" for m in modes),
         "offload": [] if "offload" in pins else sorted(config.offload),

@@ -135,6 +135,7 @@ def test_bounds_name_what_held_the_plan_back(llama_graph, llama_plan, llama_tp8_
     mem = tight.solver["bounds"]["memory"]
     assert "memory" in binding(tight)
     assert mem["faster_rejected"] > 0 and mem["best_rejected_bound_s"] < tight.predicted.step_time_s
+    assert mem["faster_rejected"] <= mem["rejected"]  # device and host floors both counted
     assert "did not fit" in tight.report()
 
 
