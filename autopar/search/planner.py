@@ -248,15 +248,18 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
                 progress(cands.progress(), f"{k} candidates, {len(groups)} meshes")
             config = cand.config
             floor = memory_lower_bound(graph, facts, cluster, config, train)
-            host_floor = host_lower_bound(graph, facts, cluster, config, train)
+            # the host floor matters only for a candidate the device could hold
+            host_floor = 0.0 if floor > capacity else host_lower_bound(graph, facts, cluster,
+                                                                        config, train)
             if floor > capacity or host_floor > host_capacity:
                 kind = "memory" if floor > capacity else "host memory"
                 rejected[kind] = rejected.get(kind, 0) + 1
                 rival.over_memory(config)
                 memory_rejected.append(cand.lower_bound_s)
-                if floor > capacity and (leanest is None or floor < leanest[0]):
-                    leanest = (floor, config, None)
-                elif floor <= capacity and (host_leanest is None or host_floor < host_leanest[0]):
+                if floor > capacity:
+                    if leanest is None or floor < leanest[0]:
+                        leanest = (floor, config, None)
+                elif host_leanest is None or host_floor < host_leanest[0]:
                     host_leanest = (host_floor, config)
                 continue
             evaluated += 1
