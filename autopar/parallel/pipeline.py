@@ -221,8 +221,37 @@ def _thread_skip_inputs(pipe) -> None:
                 for m in range(j + 1, k):
                     a = relay(a, m, placeholder.meta)
                 call.update_arg(i, a)
+    for k, call in enumerate(calls[1:], start=1):
+        _receive_in_send_order(gm, call, calls[k - 1])
     graph.lint()
     gm.recompile()
+
+
+def _receive_in_send_order(gm, call, before) -> None:
+    """Put the inputs of stage ``call`` in the order its neighbour ``before`` sends them.
+
+    A stage sends its outputs in output order and the next one posts its receives in
+    placeholder order; gloo pairs them in posting order. A stage that receives a neighbour's
+    later output before an earlier one (a relayed value placed before one the neighbour
+    computed itself, such as a MoE layer's router logits) would read each tensor into another
+    one's buffer."""
+    import operator
+
+    def sent_at(arg) -> int:
+        if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and \
+                arg.target is operator.getitem and arg.args[0] is before:
+            return int(arg.args[1])
+        return -1  # a model input (the first stages) or a constant
+    sub = getattr(gm, call.target)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    order = sorted(range(len(call.args)), key=lambda i: sent_at(call.args[i]))
+    if order == list(range(len(call.args))) or len(placeholders) != len(call.args):
+        return
+    first_body = next(n for n in sub.graph.nodes if n.op != "placeholder")
+    for i in order:
+        first_body.prepend(placeholders[i])
+    call.args = tuple(call.args[i] for i in order)
+    sub.recompile()
 
 
 def retarget_graph_devices(stage: nn.Module, device: torch.device) -> None:

@@ -116,7 +116,7 @@ def _pipeline_sums(trainer, inputs: torch.Tensor, targets: torch.Tensor, m: int,
     micro-batch's mean (:meth:`Trainer.loss`), weighed back by its token count here."""
     losses: list[torch.Tensor] = []
     with trainer._compute():
-        trainer.pipe.eval(inputs, target=targets, losses=losses)
+        trainer.pipe.eval(inputs, target=targets, losses=losses, return_outputs=False)
     zero = torch.zeros((), dtype=torch.float64, device=trainer.device)
     if not losses:  # not the last stage
         return zero, zero.clone()

@@ -19,6 +19,7 @@ gradient of the whole-sequence loss through its tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,23 @@ def router_logits_of(output: object) -> tuple[torch.Tensor, ...]:
                         f"router losses read them: train without --router-aux-loss and "
                         f"--router-z-loss")
     return tuple(logits)
+
+
+def traced_moe_output(output: object, experts: int) -> SimpleNamespace:
+    """A traced pipeline's last-stage output as a model output: the flat tuple Hugging Face's
+    MoE output becomes when torch's pipeline tracer splits the model (the model's own
+    auxiliary loss, a scalar; the logits; each MoE layer's router logits, ``(tokens,
+    experts)``)."""
+    if hasattr(output, "logits"):
+        return output
+    items = [t for t in output if isinstance(t, torch.Tensor)]
+    logits = [t for t in items if t.ndim == 3]
+    if len(logits) != 1:
+        raise PlanError(f"the last pipeline stage returned {len(logits)} logits tensors "
+                        f"beside the router logits; train without --router-aux-loss and "
+                        f"--router-z-loss, or re-plan with constraints pp=1")
+    routers = tuple(t for t in items if t.ndim == 2 and t.shape[-1] == experts)
+    return SimpleNamespace(logits=logits[0], router_logits=routers)
 
 
 def router_terms(router_logits: tuple[torch.Tensor, ...], spec: RouterLoss,

@@ -62,6 +62,7 @@ from autopar.train.router_loss import (
     router_loss_of,
     router_terms,
     routing_shape,
+    traced_moe_output,
 )
 from autopar.train.run_log import RunLog
 from autopar.train.task import open_samples, training_task
@@ -133,10 +134,6 @@ class Trainer:
         base_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # a mixture of experts' router losses (load balancing, z-loss), when asked for
         self.router = router_loss_of(model, hyper.router_aux_coef, hyper.router_z_coef)
-        if self.router is not None and plan.mesh["pp"] > 1:
-            raise PlanError("the router's load-balancing and z-losses span every MoE layer, "
-                            "and pipeline stages hold only some: re-plan with constraints "
-                            "pp=1, or train without --router-aux-loss and --router-z-loss")
         self.router_step: list[RouterTerms] = []  # this step's micro-batches' terms
         self.forward_kwargs = {"output_router_logits": True} if self.router is not None else {}
         self.routing = routing_shape(model)
@@ -233,10 +230,11 @@ class Trainer:
             torch.zeros(plan.microbatch_size, self.seq // cp, dtype=torch.long)
         inputs = trace_positions(model, plan.microbatch_size, self.seq // cp) if cp > 1 \
             else None
+        if self.router is not None:  # every layer's router logits reach the last stage
+            inputs = {**(inputs or {}), **self.forward_kwargs}
         spec = pipeline_spec(program, plan)
-        loss_fn = self.loss if self.scaler is None else \
-            (lambda out, target: self.loss(out, target) if self.evaluating
-             else self.scaler.scale(self.loss(out, target)))
+        loss_fn = self.loss if self.scaler is None and self.router is None else \
+            self._pipeline_loss
         original = model
 
         def lay_out(stage: nn.Module) -> None:
@@ -298,6 +296,20 @@ class Trainer:
         routed, dropped = counts.tolist()
         return {"expert_dropped_share": dropped / routed if routed else 0.0}
 
+    def _pipeline_loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's loss: with router losses, the traced model returns every
+        MoE layer's router logits, relayed from the stages that computed them (their
+        gradients go back the same way), so the terms are the whole model's, as in one
+        process; scaled under dynamic loss scaling (not while evaluating)."""
+        if self.router is not None:
+            output = traced_moe_output(output, self.router.experts)
+        loss = self.loss(output, targets)
+        if self.evaluating:
+            return loss
+        if self.router is not None:
+            loss = loss + self._router_loss(output)
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
     def _router_loss(self, output: object) -> torch.Tensor:
         """The router terms a micro-batch adds to its loss: this rank's share under cp,
         times cp, as the cp language-model loss (the gradient sync averages over cp)."""
@@ -309,15 +321,22 @@ class Trainer:
     def _router_record(self) -> dict:
         """The step's router losses (means over its micro-batches, whole sequences) and
         expert load, for the run log; empty without router losses."""
-        if not self.router_step:
+        if self.router is None:
             return {}
-        count = len(self.router_step)
-        values = torch.stack([torch.stack([t.aux.detach(), t.z.detach()])
-                              for t in self.router_step]).sum(0) / count
+        if self.router_step:
+            values = torch.stack([torch.stack([t.aux.detach(), t.z.detach()])
+                                  for t in self.router_step]).sum(0) / len(self.router_step)
+            load = torch.stack([t.load for t in self.router_step]).sum(0)
+        else:  # a pipeline stage before the last: the last stage computed the terms
+            values = torch.zeros(2, device=self.device)
+            load = torch.zeros(self.router.experts, device=self.device)
+        self.router_step = []
+        if self.pipe is not None:
+            both = torch.cat([values, load.to(values.device)])
+            dist.all_reduce(both, group=self.pp_group)
+            values, load = both[:2], both[2:]
         if self.cp is not None:  # each cp rank holds a share of the sequences' terms
             dist.all_reduce(values, group=self.cp.group)
-        load = torch.stack([t.load for t in self.router_step]).sum(0)
-        self.router_step = []
         if self.replica_group is not None:  # the global batch's, as the loss
             both = torch.cat([values, load])
             dist.all_reduce(both, group=self.replica_group)
@@ -329,7 +348,7 @@ class Trainer:
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with self._compute():
-            self.pipe.step(inputs, target=targets, losses=losses)
+            self.pipe.step(inputs, target=targets, losses=losses, return_outputs=False)
         if self.replicated:  # ZeRO-0/1 replicas: average the gradients over dp (x ep)
 
             average_replica_grads(list(self.model), self.plan, self.stage_replica_group,

@@ -107,7 +107,20 @@ def test_router_losses_under_drawn_plans_equal_one_process(pins: dict, one_proce
 
 
 @pytest.mark.dist
-def test_router_losses_refuse_pipeline_stages() -> None:
-    plan = mixtral_plan(2, pp=2, microbatch_size=1, dp=1, tp=1, ep=1, cp=1)
-    with pytest.raises(RuntimeError, match="pipeline stages hold only some"):
-        run_ranks(describe_source("tiny-mixtral"), plan, 1, hyper=HYPER)
+def test_router_losses_across_pipeline_stages_with_experts_equal_one_process(one_process
+                                                                            ) -> None:
+    """ep2 x pp2 (4 processes), drawn by the search: the last stage computes the terms from
+    every MoE layer's router logits, relayed from the stages that hold them; the losses
+    (router terms included), the logged load-balancing term and every first-step gradient
+    equal one process's."""
+    _, (ref_losses, _, ref_grads, ref_record) = one_process
+    plan = mixtral_plan(4, pp=2, ep=2, dp=1, tp=1, cp=1, microbatch_size=1)
+    assert (plan.mesh["pp"], plan.mesh["ep"]) == (2, 2)
+    losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
+                                         first_grads=True, hyper=HYPER, probe=last_record,
+                                         timeout_s=400)
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"],
+                                                      abs=1e-4)
+    assert record["expert_load_max"] == pytest.approx(ref_record["expert_load_max"])
+    assert not differing_gradients(ref_grads, grads)
