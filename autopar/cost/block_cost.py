@@ -37,6 +37,7 @@ from autopar.cost.engines import (
     engine_features,
     sm_share_slowdown,
 )
+from autopar.cost.expert_load import busiest_rank_load, top_k
 from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
@@ -104,6 +105,21 @@ def captured_batch(graph: Graph) -> int:
     return 1
 
 
+def _expert_load(graph: Graph, block: Block, config: ParallelConfig) -> float:
+    """The busiest expert-parallel rank's share of a micro-batch's token copies against an
+    even share (:func:`autopar.cost.expert_load.busiest_rank_load`); 1.0 without ep or
+    experts in the block."""
+    if config.ep <= 1:
+        return 1.0
+    experts = max((graph.params[p].shape[0] for n in block.nodes
+                   if graph.op(n).kind is OpKind.MOE_EXPERT for p in graph.op(n).params
+                   if p in graph.params and len(graph.params[p].shape) == 3), default=0)
+    if not experts:
+        return 1.0
+    tokens = captured_seq(graph) * config.microbatch_size / config.cp
+    return busiest_rank_load(tokens, top_k(graph, experts), config.ep)
+
+
 def captured_seq(graph: Graph) -> int:
     """Tokens per sequence the graph was captured with (a serving plan's context)."""
     for inp in graph.inputs:
@@ -162,10 +178,13 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     regions = fused_regions(graph, block) if config.engine in FUSED_KERNEL_ENGINES else []
     fused = {n for region in regions for n in region}
     region_divisor: dict[str, float] = {}
+    # ep moves tokens to experts: per-device expert work is one rank's tokens' worth, times
+    # how much more the busiest rank receives than an even share (cost.expert_load)
+    expert_load = _expert_load(graph, block, config)
     for name in block.nodes:
         op = graph.op(name)
         if op.kind is OpKind.MOE_EXPERT:
-            divisor = 1.0  # ep moves tokens to experts; per-device expert work is unchanged
+            divisor = 1.0 / expert_load
             expert_param_names.update(op.params)
         elif name in layout.kv:  # one kv head of kv per rank; the weights stay whole
             divisor = float(layout.kv[name])
@@ -243,7 +262,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         dispatch = [graph.op(n) for n in block.nodes
                     if graph.op(n).kind is OpKind.MOE_EXPERT and "grouped_mm" in graph.op(n).target]
         if dispatch:
-            nbytes = dispatch[0].input_meta[0].nbytes * byte_scale
+            # dispatch and combine, forward and backward; the busiest receiver sets each
+            nbytes = dispatch[0].input_meta[0].nbytes * byte_scale * expert_load
             ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
                                   scale=byte_scale, layouts=config.tp_layouts,

@@ -34,12 +34,12 @@ from autopar.cost.activations import storage_root
 from autopar.cost.block_cost import captured_batch, captured_float_bytes, captured_seq, graph_memo
 from autopar.cost.comm import axis_collective_time
 from autopar.cost.config import ParallelConfig
+from autopar.cost.expert_load import top_k
 from autopar.cost.hardware import Cluster, DeviceSpec
 from autopar.cost.tp_layout import cache_split, tp_layout, vocab_parallel
 from autopar.ir.graph import Graph, OpKind, OpNode, dtype_bytes
 
 _MATMULS = (OpKind.LINEAR, OpKind.MATMUL)
-_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token")
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,6 @@ class DecodeCost:
     weight_bytes: float  # weights read
     cache_bytes: float  # keys and values read
     kernels: int
-
-
-def _top_k(graph: Graph, experts: int) -> int:
-    for key in _TOPK_KEYS:
-        value = graph.model_config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return experts  # unknown routing: every expert is read (an upper bound)
 
 
 def _param_numel(graph: Graph, op: OpNode) -> int:
@@ -117,7 +109,7 @@ def _block_decode_cost(graph: Graph, index: int, config: ParallelConfig, cluster
             weight_read = batch * width * weight_bytes_each / divisor
         elif op.kind is OpKind.MOE_EXPERT and numel:
             experts = max(_experts(graph, op), 1)
-            k = min(_top_k(graph, experts), experts)
+            k = min(top_k(graph, experts), experts)
             touched = 1.0 - (1.0 - k / experts) ** batch
             weight_read = numel / config.ep * touched * weight_bytes_each
         elif numel:
