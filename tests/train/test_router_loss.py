@@ -86,15 +86,16 @@ def one_process() -> tuple:
 @pytest.mark.dist
 @pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=1, ep=1, pp=1),
                                   dict(dp=2, tp=1, ep=1, pp=1, cp=1, zero_stage=1),
-                                  dict(ep=2, dp=1, tp=1, pp=1, cp=1),
+                                  dict(ep=4, dp=1, tp=1, pp=1, cp=1),
                                   dict(tp=2, dp=1, ep=1, pp=1, cp=1, sequence_parallel=True)],
-                         ids=["cp2", "dp2-zero1", "ep2", "tp2-sp"])
+                         ids=["cp2", "dp2-zero1", "ep4", "tp2-sp"])
 def test_router_losses_under_drawn_plans_equal_one_process(pins: dict, one_process) -> None:
     plain, (ref_losses, _, ref_grads, ref_record) = one_process
     # the router terms are in the loss: without them it is another number
     assert abs(ref_losses[0] - plain[0]) > 1e-3
     assert ref_record["router_aux_loss"] > 0 and ref_record["expert_load_max"] >= 1.0
-    plan = mixtral_plan(2, microbatch_size=1, **pins)
+    devices = pins["cp"] * pins["dp"] * pins["tp"] * pins["ep"] * pins["pp"]
+    plan = mixtral_plan(devices, microbatch_size=1, **pins)
     for axis, degree in pins.items():
         if axis in plan.mesh:
             assert plan.mesh[axis] == degree
