@@ -221,10 +221,38 @@ def _thread_skip_inputs(pipe) -> None:
                 for m in range(j + 1, k):
                     a = relay(a, m, placeholder.meta)
                 call.update_arg(i, a)
+    # the model's outputs come from the last stage only (the schedule returns its output):
+    # an output an earlier stage computed (a MoE layer's router logits that Hugging Face
+    # collects with a hook) is relayed to it too
+    output = next(n for n in graph.nodes if n.op == "output")
+    last = len(calls) - 1
+
+    def to_last(value):
+        j = producer(value)
+        if j is None or j >= last:
+            return value
+        meta = _produced_meta(gm, value)
+        for m in range(j + 1, last + 1):
+            value = relay(value, m, meta)
+        return value
+
+    output.args = (torch.fx.node.map_arg(output.args[0], to_last),)
     for k, call in enumerate(calls[1:], start=1):
         _receive_in_send_order(gm, call, calls[k - 1])
     graph.lint()
     gm.recompile()
+
+
+def _produced_meta(gm, value) -> dict:
+    """The meta (its "val" sizes a receive buffer) of the stage output ``value`` reads: item
+    ``i`` of a stage's outputs, or its only output."""
+    import operator
+
+    call, index = (value.args[0], value.args[1]) if value.op == "call_function" and \
+        value.target is operator.getitem else (value, None)
+    result = next(n for n in getattr(gm, call.target).graph.nodes if n.op == "output").args[0]
+    node = result[index] if index is not None else result
+    return dict(node.meta) if isinstance(node, torch.fx.Node) else {}
 
 
 def _receive_in_send_order(gm, call, before) -> None:

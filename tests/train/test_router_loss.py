@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+import autopar
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source, describe_source
 from autopar.train.router_loss import load_summary, router_loss_of, router_terms
@@ -40,6 +42,24 @@ def test_aux_loss_equals_hugging_faces(name: str) -> None:
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
     # every top-k assignment is counted once: tokens x layers x k
     assert int(terms.load.sum()) == 2 * SEQ * model.config.num_hidden_layers * spec.top_k
+
+
+def test_aux_loss_of_deepseek_v2_equals_hugging_faces_function() -> None:
+    """DeepSeek-V2 (MLA, shared experts, a dense first layer): Hugging Face's model returns its
+    router logits but computes no auxiliary loss, so the term is checked against Hugging
+    Face's own load-balancing function on those logits, with its gradients."""
+    model, output = _model_and_output("tiny-deepseek-v2")
+    spec = router_loss_of(model, aux_coef=0.02)
+    moe_layers = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    assert len(output.router_logits) == moe_layers
+    terms = router_terms(output.router_logits, spec)
+    theirs = load_balancing_loss_func(output.router_logits, spec.experts, spec.top_k)
+    assert abs(float(terms.aux.detach()) - float(theirs.detach())) < 1e-6
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(routers) == moe_layers
+    for a, b in zip(torch.autograd.grad(terms.aux, routers, retain_graph=True),
+                    torch.autograd.grad(theirs, routers), strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
 
 
 def test_z_loss_is_the_mean_squared_logsumexp_per_layer_summed() -> None:
@@ -124,4 +144,28 @@ def test_router_losses_across_pipeline_stages_with_experts_equal_one_process(one
     assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"],
                                                       abs=1e-4)
     assert record["expert_load_max"] == pytest.approx(ref_record["expert_load_max"])
+    assert not differing_gradients(ref_grads, grads)
+
+
+@pytest.mark.dist
+def test_deepseek_v2_with_router_losses_across_stages_and_experts_equals_one_process() -> None:
+    """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer; Hugging Face
+    collects its router logits with a hook, so they leave the stages as model outputs and are
+    relayed to the last one) under pp2 x ep2 drawn by the search: losses with the router terms,
+    the logged term and every first-step gradient equal one process's."""
+    graph = autopar.capture("tiny-deepseek-v2", seq=SEQ)
+
+    def plan(devices: int, **pins):
+        return autopar.plan(graph, devices=devices, global_batch=4, cluster="a100-80g",
+                            constraints=dict(pins, precision="fp32", microbatch_size=1))
+    source = describe_source("tiny-deepseek-v2")
+    ref_losses, _, ref_grads, ref_record = run_ranks(source, plan(1), STEPS, first_grads=True,
+                                                     hyper=HYPER, probe=last_record)
+    parallel = plan(4, pp=2, ep=2, dp=1, tp=1, cp=1)
+    assert (parallel.mesh["pp"], parallel.mesh["ep"]) == (2, 2)
+    losses, _, grads, record = run_ranks(source, parallel, STEPS, first_grads=True,
+                                         hyper=HYPER, probe=last_record, timeout_s=400)
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"], abs=1e-4)
+    assert any(".mlp.gate." in name for name in grads)
     assert not differing_gradients(ref_grads, grads)
