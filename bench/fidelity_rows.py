@@ -74,14 +74,18 @@ _GRAPHS: dict[str, autopar.ir.Graph] = {}
 CACHE_DIR: Path | None = Path(os.environ.get("AUTOPAR_BENCH_CACHE",
                                              Path.home() / ".cache" / "autopar-bench" / "graphs"))
 PACKAGE = Path(autopar.__file__).resolve().parent
+# full-size configs of the bench's own rows that autopar does not ship (their capture is slow
+# and only the bench needs them): one Hugging Face config.json per folder
+MODELS_DIR = Path(__file__).resolve().parent / "data" / "models"
 
 
 def _code_fingerprint() -> str:
     """What a captured graph depends on: the capture, IR and model code, the shipped configs,
-    torch and transformers. A change to any of them makes every cached graph stale."""
+    the bench's own configs (bench/data/models), torch and transformers. A change to any of
+    them makes every cached graph stale."""
     digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
-    for sub in ("capture", "ir", "models"):
-        for path in sorted((PACKAGE / sub).rglob("*")):
+    for root in [PACKAGE / sub for sub in ("capture", "ir", "models")] + [MODELS_DIR]:
+        for path in sorted(root.rglob("*")):
             if path.suffix in (".py", ".json"):
                 digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -90,6 +94,8 @@ def _code_fingerprint() -> str:
 def _capture(spec: dict) -> autopar.ir.Graph:
     if spec["arch"] == "shipped":
         return autopar.capture(spec["name"], seq=spec["seq"])
+    if spec["arch"] == "folder":  # a Hugging Face config.json the bench keeps (bench/data/models)
+        return autopar.capture(str(MODELS_DIR / spec["name"]), seq=spec["seq"])
     return autopar.capture(build_model(model_config(spec)), token_inputs(1, spec["seq"]))
 
 
