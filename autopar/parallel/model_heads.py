@@ -12,7 +12,7 @@ from autopar.models.hf import is_conv1d
 # attention module itself or on its config (Hugging Face, GPT-2, GPT-NeoX, Falcon, torch's MHA)
 _QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-_HEAD_SIZE = ("head_dim", "head_size")
+_HEAD_SIZE = ("qk_head_dim", "head_dim", "head_size")
 
 
 def output_features(module: nn.Module) -> int | None:

@@ -412,6 +412,7 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
     styles[layers[0]] = StyleSpec("Relayout", inputs=(REPLICATE, SHARD_SEQ))
     for region in _regions(model, layers, split):
         kinds = {k for p, k in split.items() if _under(p, [region])}
+        _check_whole_parts(model, region, split, kinds)
         # a split region takes the gathered input as a DTensor, so that its backward
         # reduce-scatters the input gradient; a replicated one computes on plain tensors
         outputs = None if "row" in kinds else (REPLICATE, SHARD_SEQ)
@@ -442,6 +443,23 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         else:
             styles[name] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE), local_input=True)
     return _in_model_order(model, styles)
+
+
+def _check_whole_parts(model: nn.Module, region: str, split: dict[str, str],
+                       kinds: set[str]) -> None:
+    """Refuse a split region that also holds a module kept whole (besides norms): under
+    sequence parallelism the region takes the gathered sequence as a DTensor, which such a
+    module (a MoE router or its experts beside a split shared expert) cannot compute with."""
+    if not kinds:
+        return
+    for path, module in model.get_submodule(region).named_modules():
+        full = f"{region}.{path}" if path else region
+        if list(module.children()) or not _has_params(module) or _is_norm(module):
+            continue
+        if full not in split and _under(full, list(split)) is None:
+            raise PlanError(f"sequence parallelism in {region}: the plan splits some of its "
+                            f"modules but keeps {full} whole, which cannot take the gathered "
+                            f"sequence; re-plan with constraints sequence_parallel=false")
 
 
 def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],

@@ -245,3 +245,21 @@ def test_kv_head_replication_keeps_a_lora_update() -> None:
     for key, value in single.items():
         np.testing.assert_allclose(split[key], value, rtol=1e-5, atol=1e-6,
                                    err_msg=key)
+
+
+def test_sequence_parallel_refuses_a_split_region_holding_a_whole_module() -> None:
+    """Tiny DeepSeek-V2 under tp2 with sequence parallelism: its MoE block splits the shared
+    expert but keeps the router and experts whole, which cannot take the gathered sequence;
+    the layout refuses in one line naming the module and the fix (without sp it runs:
+    tests/train/test_router_loss.py)."""
+    from autopar.models import build_model
+    from autopar.parallel.tensor_parallel import tensor_parallel_layout
+
+    graph = autopar.capture("tiny-deepseek-v2", seq=32)
+    plan = autopar.plan(graph, devices=2, global_batch=4, cluster="a100-80g",
+                        constraints=dict(tp=2, dp=1, ep=1, pp=1, cp=1, microbatch_size=1,
+                                         sequence_parallel=True, precision="fp32"))
+    model = build_model("tiny-deepseek-v2", device="meta")
+    with pytest.raises(autopar.PlanError, match=r"keeps model\.layers\.1\.mlp\.\w+ whole.*"
+                                                r"sequence_parallel=false"):
+        tensor_parallel_layout(model, plan)

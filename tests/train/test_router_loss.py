@@ -148,11 +148,15 @@ def test_router_losses_across_pipeline_stages_with_experts_equal_one_process(one
 
 
 @pytest.mark.dist
-def test_deepseek_v2_with_router_losses_across_stages_and_experts_equals_one_process() -> None:
-    """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer; Hugging Face
-    collects its router logits with a hook, so they leave the stages as model outputs and are
-    relayed to the last one) under pp2 x ep2 drawn by the search: losses with the router terms,
-    the logged term and every first-step gradient equal one process's."""
+@pytest.mark.parametrize("pins", [dict(pp=2, ep=2, tp=1), dict(tp=2, ep=2, pp=1,
+                                                                sequence_parallel=False)],
+                         ids=["pp2 x ep2", "tp2 x ep2"])
+def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict) -> None:
+    """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer) under plans drawn
+    by the search: pp2 x ep2 (Hugging Face collects its router logits with a hook, so they leave
+    the stages as model outputs and are relayed to the last one) and tp2 x ep2 (the dense and
+    shared-expert MLPs split, MLA attention kept whole as planned). Losses with the router
+    terms, the logged term and every first-step gradient equal one process's."""
     graph = autopar.capture("tiny-deepseek-v2", seq=SEQ)
 
     def plan(devices: int, **pins):
@@ -161,8 +165,8 @@ def test_deepseek_v2_with_router_losses_across_stages_and_experts_equals_one_pro
     source = describe_source("tiny-deepseek-v2")
     ref_losses, _, ref_grads, ref_record = run_ranks(source, plan(1), STEPS, first_grads=True,
                                                      hyper=HYPER, probe=last_record)
-    parallel = plan(4, pp=2, ep=2, dp=1, tp=1, cp=1)
-    assert (parallel.mesh["pp"], parallel.mesh["ep"]) == (2, 2)
+    parallel = plan(4, dp=1, cp=1, **pins)
+    assert all(parallel.mesh[a] == pins[a] for a in ("pp", "ep", "tp"))
     losses, _, grads, record = run_ranks(source, parallel, STEPS, first_grads=True,
                                          hyper=HYPER, probe=last_record, timeout_s=400)
     assert losses == pytest.approx(ref_losses, abs=1e-4)
