@@ -19,6 +19,11 @@ class PlanError(AutoparError):
     """A plan file is malformed, of another version, or inconsistent with the model or world."""
 
 
+class SequenceParallelUnsupported(PlanError):
+    """The runtime cannot lay out sequence parallelism for this model's modules; the same plan
+    without it runs (``autopar compile`` then re-plans with sequence_parallel=false)."""
+
+
 class RunFailure(AutoparError):
     """A distributed run lost a process or its network; the CLI exits 1 with this line."""
 

@@ -10,8 +10,10 @@ import click
 from autopar.cli.plan_options import capture_for_plan, plan_options, search_progress
 from autopar.codegen import compile_artifact
 from autopar.codegen.artifact import edited_file
+from autopar.errors import SequenceParallelUnsupported
 from autopar.plan.launch import on_each_node, plan_launch
 from autopar.search.api import plan as make_plan
+from autopar.search.constraints import load_constraints
 
 
 def _default_out(model: str, devices: int) -> Path:
@@ -80,7 +82,23 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = result.save(out_dir / "plan.yaml")
     else:
-        path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
+        try:
+            path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
+        except SequenceParallelUnsupported as exc:
+            if "sequence_parallel" in load_constraints(constraints):
+                raise  # the user asked for it: say why it cannot run
+            # the search prices sequence parallelism from the graph; the runtime cannot lay it
+            # out over these modules, so the plan is searched again without it
+            click.echo(f"autopar: {exc.args[0].split('; re-plan')[0]}; planning without "
+                       f"sequence parallelism", err=True)
+            constraints = [*(constraints or []), "sequence_parallel=false"]
+            with search_progress(quiet) as progress:
+                result = make_plan(graph, devices=devices, cluster=cluster, task=task,
+                                   global_batch=global_batch, constraints=constraints,
+                                   memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
+                                   progress=progress,
+                                   max_token_latency_ms=max_token_latency_ms)
+            path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
 
         for name in ("train.py", "generate.py"):
             edited = out_dir / edited_file(name)  # only ever there when this compile kept one

@@ -52,3 +52,23 @@ def test_an_encoder_decoder_config_is_refused_in_one_line(tmp_path) -> None:
     assert "T5ForConditionalGeneration) is not a causal language model" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_compile_replans_without_sequence_parallelism_the_runtime_cannot_lay_out(tmp_path
+                                                                                ) -> None:
+    """Tiny DeepSeek-V2 on tp2: the search picks sequence parallelism, which the runtime cannot
+    lay out over its MoE block (a whole router beside a split shared expert); compile says so
+    and plans again without it. Pinned by the user, it is refused in one line, nothing written."""
+    out = tmp_path / "art"
+    base = ["compile", "tiny-deepseek-v2", "--devices", "2", "--global-batch", "4", "--seq",
+            "32"]
+    result = cli_here(*base, "--constraints", "tp=2,precision=fp32", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "planning without sequence parallelism" in result.stderr
+    plan = Plan.load(out / "plan.yaml")
+    assert plan.mesh["tp"] == 2 and not plan.sequence_parallel
+    never = tmp_path / "never"
+    _assert_one_line_error(cli_here(*base, "--constraints",
+                                    "tp=2,precision=fp32,sequence_parallel=true",
+                                    "--out", str(never)), "sequence_parallel=false")
+    assert not never.exists()
