@@ -147,28 +147,35 @@ def test_router_losses_across_pipeline_stages_with_experts_equal_one_process(one
     assert not differing_gradients(ref_grads, grads)
 
 
+def _deepseek_plan(devices: int, **pins):
+    graph = autopar.capture("tiny-deepseek-v2", seq=SEQ)
+    return autopar.plan(graph, devices=devices, global_batch=4, cluster="a100-80g",
+                        constraints=dict(pins, precision="fp32", microbatch_size=1))
+
+
+@pytest.fixture(scope="module")
+def deepseek_one_process() -> tuple:
+    return run_ranks(describe_source("tiny-deepseek-v2"), _deepseek_plan(1), STEPS,
+                     first_grads=True, hyper=HYPER, probe=last_record)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("pins", [dict(pp=2, ep=2, tp=1), dict(tp=2, ep=2, pp=1,
                                                                 sequence_parallel=False)],
                          ids=["pp2 x ep2", "tp2 x ep2"])
-def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict) -> None:
+def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict,
+                                                           deepseek_one_process) -> None:
     """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer) under plans drawn
     by the search: pp2 x ep2 (Hugging Face collects its router logits with a hook, so they leave
     the stages as model outputs and are relayed to the last one) and tp2 x ep2 (the dense and
     shared-expert MLPs split, MLA attention kept whole as planned). Losses with the router
     terms, the logged term and every first-step gradient equal one process's."""
-    graph = autopar.capture("tiny-deepseek-v2", seq=SEQ)
-
-    def plan(devices: int, **pins):
-        return autopar.plan(graph, devices=devices, global_batch=4, cluster="a100-80g",
-                            constraints=dict(pins, precision="fp32", microbatch_size=1))
-    source = describe_source("tiny-deepseek-v2")
-    ref_losses, _, ref_grads, ref_record = run_ranks(source, plan(1), STEPS, first_grads=True,
-                                                     hyper=HYPER, probe=last_record)
-    parallel = plan(4, dp=1, cp=1, **pins)
+    ref_losses, _, ref_grads, ref_record = deepseek_one_process
+    parallel = _deepseek_plan(4, dp=1, cp=1, **pins)
     assert all(parallel.mesh[a] == pins[a] for a in ("pp", "ep", "tp"))
-    losses, _, grads, record = run_ranks(source, parallel, STEPS, first_grads=True,
-                                         hyper=HYPER, probe=last_record, timeout_s=400)
+    losses, _, grads, record = run_ranks(describe_source("tiny-deepseek-v2"), parallel, STEPS,
+                                         first_grads=True, hyper=HYPER, probe=last_record,
+                                         timeout_s=400)
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     assert record["router_aux_loss"] == pytest.approx(ref_record["router_aux_loss"], abs=1e-4)
     assert any(".mlp.gate." in name for name in grads)
