@@ -41,6 +41,7 @@ from autopar.parallel.tensor_parallel import reduce_partial_grads
 from autopar.peft.rdrop import RDROP_ATTR
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
+from autopar.train.autocast_ops import register_grouped_mm_autocast
 from autopar.train.checkpoint import load_checkpoint, save_checkpoint
 from autopar.train.expert_capacity import CapacityCounter, install_capacity
 from autopar.train.loss import (
@@ -128,6 +129,8 @@ class Trainer:
         self.device = run_device(device)
         # the program's precision: autocast's compute dtype, and dynamic loss scaling (fp16)
         self.autocast = getattr(program, "AUTOCAST", None) if program is not None else None
+        if self.autocast is not None:  # MoE experts' grouped GEMMs in the compute dtype too
+            register_grouped_mm_autocast(self.device.type)
         self.scaler = LossScaler(self.device) \
             if program is not None and getattr(program, "LOSS_SCALING", False) else None
         model = build_from_source(source, seed, "meta")
