@@ -72,11 +72,15 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
                                           constraints=constraints, peft=peft,
                                           max_token_latency_ms=max_token_latency_ms,
                                           quiet=quiet)
-    with search_progress(quiet) as progress:
-        result = make_plan(graph, devices=devices, cluster=cluster, task=task,
-                           global_batch=global_batch, constraints=constraints,
-                           memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
-                           progress=progress, max_token_latency_ms=max_token_latency_ms)
+
+    def search(pins: list[str] | None):
+        with search_progress(quiet) as progress:
+            return make_plan(graph, devices=devices, cluster=cluster, task=task,
+                             global_batch=global_batch, constraints=pins,
+                             memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
+                             progress=progress, max_token_latency_ms=max_token_latency_ms)
+
+    result = search(constraints)
     out_dir = Path(out) if out else _default_out(model, devices)
     if model.lower().endswith(".onnx"):  # planned, but an ONNX file cannot be trained
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,13 +95,7 @@ def compile_cmd(model: str, devices: int, cluster: str, task: str, global_batch:
             # out over these modules, so the plan is searched again without it
             click.echo(f"autopar: {exc.args[0].split('; re-plan')[0]}; planning without "
                        f"sequence parallelism", err=True)
-            constraints = [*(constraints or []), "sequence_parallel=false"]
-            with search_progress(quiet) as progress:
-                result = make_plan(graph, devices=devices, cluster=cluster, task=task,
-                                   global_batch=global_batch, constraints=constraints,
-                                   memory_limit_gb=memory_limit_gb, time_limit_s=time_limit_s,
-                                   progress=progress,
-                                   max_token_latency_ms=max_token_latency_ms)
+            result = search([*(constraints or []), "sequence_parallel=false"])
             path = compile_artifact(model, None, result, out_dir, emit=emit) / "plan.yaml"
 
         for name in ("train.py", "generate.py"):

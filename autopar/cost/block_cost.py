@@ -37,7 +37,7 @@ from autopar.cost.engines import (
     engine_features,
     sm_share_slowdown,
 )
-from autopar.cost.expert_load import busiest_rank_load, top_k
+from autopar.cost.expert_load import busiest_rank_load, expert_count, top_k
 from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import default_precision
@@ -111,9 +111,8 @@ def _expert_load(graph: Graph, block: Block, config: ParallelConfig) -> float:
     experts in the block."""
     if config.ep <= 1:
         return 1.0
-    experts = max((graph.params[p].shape[0] for n in block.nodes
-                   if graph.op(n).kind is OpKind.MOE_EXPERT for p in graph.op(n).params
-                   if p in graph.params and len(graph.params[p].shape) == 3), default=0)
+    experts = max((expert_count(graph, graph.op(n)) for n in block.nodes
+                   if graph.op(n).kind is OpKind.MOE_EXPERT), default=0)
     if not experts:
         return 1.0
     tokens = captured_seq(graph) * config.microbatch_size / config.cp

@@ -34,7 +34,7 @@ from autopar.cost.activations import storage_root
 from autopar.cost.block_cost import captured_batch, captured_float_bytes, captured_seq, graph_memo
 from autopar.cost.comm import axis_collective_time
 from autopar.cost.config import ParallelConfig
-from autopar.cost.expert_load import top_k
+from autopar.cost.expert_load import expert_count, top_k
 from autopar.cost.hardware import Cluster, DeviceSpec
 from autopar.cost.tp_layout import cache_split, tp_layout, vocab_parallel
 from autopar.ir.graph import Graph, OpKind, OpNode, dtype_bytes
@@ -108,7 +108,7 @@ def _block_decode_cost(graph: Graph, index: int, config: ParallelConfig, cluster
             width = op.output_meta[0].shape[-1] if op.output_meta else 0
             weight_read = batch * width * weight_bytes_each / divisor
         elif op.kind is OpKind.MOE_EXPERT and numel:
-            experts = max(_experts(graph, op), 1)
+            experts = max(expert_count(graph, op), 1)
             k = min(top_k(graph, experts), experts)
             touched = 1.0 - (1.0 - k / experts) ** batch
             weight_read = numel / config.ep * touched * weight_bytes_each
@@ -177,14 +177,6 @@ def _block_decode_cost(graph: Graph, index: int, config: ParallelConfig, cluster
             comm += 2 * axis_collective_time("all_to_all", batch * width * act_bytes_each,
                                              config, "ep", cluster)
     return DecodeCost(compute, comm, weights, cache, kernels)
-
-
-def _experts(graph: Graph, op: OpNode) -> int:
-    for p in op.params:
-        shape = graph.params[p].shape if p in graph.params else ()
-        if len(shape) == 3:
-            return shape[0]
-    return 1
 
 
 def decode_flops_per_token(graph: Graph) -> float:

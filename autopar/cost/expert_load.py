@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from autopar.ir.graph import Graph
+from autopar.ir.graph import Graph, OpNode
 
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token")
 
@@ -40,6 +40,15 @@ def top_k(graph: Graph, experts: int) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return experts
+
+
+def expert_count(graph: Graph, op: OpNode) -> int:
+    """Experts an expert op's stacked (3-D) weights hold; 0 when it holds none."""
+    for p in op.params:
+        shape = graph.params[p].shape if p in graph.params else ()
+        if len(shape) == 3:
+            return shape[0]
+    return 0
 
 
 @lru_cache(maxsize=256)
@@ -69,4 +78,5 @@ def busiest_rank_load(tokens: float, k: int, ranks: int) -> float:
     return 1.0 + expected_max_normal(ranks) / math.sqrt(tokens * k)
 
 
-__all__ = ["TOP_K_KEYS", "busiest_rank_load", "expected_max_normal", "top_k"]
+__all__ = ["TOP_K_KEYS", "busiest_rank_load", "expected_max_normal", "expert_count",
+           "top_k"]

@@ -148,7 +148,7 @@ def host_states(offload: frozenset[str] | set[str], engine: str, train: bool = T
 
 
 def fully_sharded_states(config: ParallelConfig, mem: MemoryBreakdown, blocks: list
-                   ) -> MemoryBreakdown:
+                         ) -> MemoryBreakdown:
     """The model states ``mem`` holds, sharded as fully_shard shards them whatever the ZeRO
     stage (dense over dp x ep ranks, experts over dp): what CPUOffloadPolicy keeps on the
     host. Without ``blocks`` (a lower bound) every state is taken over dp x ep."""

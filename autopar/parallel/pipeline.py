@@ -3,6 +3,7 @@ stage modules at the plan's block boundaries, and run by the plan's schedule."""
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,8 +149,6 @@ def _thread_skip_inputs(pipe) -> None:
     supported", or non-adjacent stages under the interleaved schedules). Threaded through,
     every stage talks to its neighbours only.
     """
-    import operator
-
     gm = pipe.split_gm
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
@@ -246,8 +245,6 @@ def _thread_skip_inputs(pipe) -> None:
 def _produced_meta(gm, value) -> dict:
     """The meta (its "val" sizes a receive buffer) of the stage output ``value`` reads: item
     ``i`` of a stage's outputs, or its only output."""
-    import operator
-
     call, index = (value.args[0], value.args[1]) if value.op == "call_function" and \
         value.target is operator.getitem else (value, None)
     result = next(n for n in getattr(gm, call.target).graph.nodes if n.op == "output").args[0]
@@ -263,8 +260,6 @@ def _receive_in_send_order(gm, call, before) -> None:
     later output before an earlier one (a relayed value placed before one the neighbour
     computed itself, such as a MoE layer's router logits) would read each tensor into another
     one's buffer."""
-    import operator
-
     def sent_at(arg) -> int:
         if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and \
                 arg.target is operator.getitem and arg.args[0] is before:

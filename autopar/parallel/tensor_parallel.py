@@ -238,9 +238,10 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
     tied = tied_modules(model) if tied is None else tied
     graphed = graph_layers(model, plan)
     if graphed and plan.sequence_parallel:
-        raise SequenceParallelUnsupported(f"sequence parallelism for layers run from their graph ({graphed[0]}: "
-                        f"a {type(model.get_submodule(graphed[0])).__name__}) is not supported "
-                        f"yet; re-plan with constraints sequence_parallel=false")
+        raise SequenceParallelUnsupported(
+            f"sequence parallelism for layers run from their graph ({graphed[0]}: "
+            f"a {type(model.get_submodule(graphed[0])).__name__}) is not supported "
+            f"yet; re-plan with constraints sequence_parallel=false")
     split = {p: k for p, k in _split(model, plan, tied).items() if _under(p, graphed) is None}
     for path in split:
         _check_kind(path, model.get_submodule(path))
@@ -387,8 +388,9 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
     order = [n for n, _ in model.named_modules()]
     layers = [n for n in layer_names(plan) if n in order]
     if not layers:
-        raise SequenceParallelUnsupported("sequence parallelism needs the plan's layers in the model; re-plan "
-                        "with constraints sequence_parallel=false")
+        raise SequenceParallelUnsupported(
+            "sequence parallelism needs the plan's layers in the model; re-plan "
+            "with constraints sequence_parallel=false")
     first = order.index(layers[0])
     last_inner = max(i for i, n in enumerate(order) if _under(n, [layers[-1]]))
     leaves = [(i, n, m) for i, (n, m) in enumerate(model.named_modules())
@@ -403,9 +405,10 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         if name not in split:
             continue
         if not isinstance(module, nn.Embedding):
-            raise SequenceParallelUnsupported(f"the plan splits {name} before the first layer; sequence "
-                            f"parallelism expects only embeddings there; re-plan with "
-                            f"constraints sequence_parallel=false")
+            raise SequenceParallelUnsupported(
+                f"the plan splits {name} before the first layer; sequence "
+                f"parallelism expects only embeddings there; re-plan with "
+                f"constraints sequence_parallel=false")
         styles[name] = StyleSpec("RowwiseParallel", input_layouts=REPLICATE,
                                  output_layouts=SHARD_SEQ, use_local_output=False) if lone else \
             StyleSpec("RowwiseParallel", input_layouts=REPLICATE)
@@ -437,9 +440,10 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
                                      output_layouts=REPLICATE) if whole_logits else \
                 StyleSpec("ColumnParallel", input_layouts=SHARD_SEQ, use_local_output=False)
         elif name in split:
-            raise SequenceParallelUnsupported(f"the plan splits {name} by rows after the last layer; sequence "
-                            f"parallelism expects a column-parallel or replicated LM head; "
-                            f"re-plan with constraints sequence_parallel=false")
+            raise SequenceParallelUnsupported(
+                f"the plan splits {name} by rows after the last layer; sequence "
+                f"parallelism expects a column-parallel or replicated LM head; "
+                f"re-plan with constraints sequence_parallel=false")
         else:
             styles[name] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE), local_input=True)
     return _in_model_order(model, styles)
@@ -457,9 +461,10 @@ def _check_whole_parts(model: nn.Module, region: str, split: dict[str, str],
         if list(module.children()) or not _has_params(module) or _is_norm(module):
             continue
         if full not in split and _under(full, list(split)) is None:
-            raise SequenceParallelUnsupported(f"sequence parallelism in {region}: the plan splits some of its "
-                            f"modules but keeps {full} whole, which cannot take the gathered "
-                            f"sequence; re-plan with constraints sequence_parallel=false")
+            raise SequenceParallelUnsupported(
+                f"sequence parallelism in {region}: the plan splits some of its "
+                f"modules but keeps {full} whole, which cannot take the gathered "
+                f"sequence; re-plan with constraints sequence_parallel=false")
 
 
 def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],
