@@ -61,9 +61,22 @@ class SavedTensor:
     saver: str  # op that saves it
 
 
+# pure functions of a graph, memoised per graph (graphs are not changed once captured): the
+# search asks for the same block's activations at every micro-batch size, which only scales them
+_MEMO: weakref.WeakKeyDictionary[Graph, dict] = weakref.WeakKeyDictionary()
+
+
 def storage_root(graph: Graph, name: str) -> str:
     """Follow views back to the op that owns the storage (the capture already marks a
     ``contiguous`` of a fused attention's transposed output as a view: it copies nothing)."""
+    roots = _MEMO.setdefault(graph, {}).setdefault("roots", {})
+    root = roots.get(name)
+    if root is None:
+        root = roots[name] = _follow_views(graph, name)
+    return root
+
+
+def _follow_views(graph: Graph, name: str) -> str:
     seen = 0
     while graph.has_op(name) and graph.op(name).kind is OpKind.VIEW and seen < 64:
         op = graph.op(name)
@@ -214,6 +227,20 @@ def block_activation_bytes(
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
+    chosen = layouts.get(block.type_id) if layouts is not None else None
+    key = ("activations", block.index, tp, sequence_parallel, recompute, chosen, fp8)
+    memo = _MEMO.setdefault(graph, {})
+    if key not in memo:
+        memo[key] = _block_activation_bytes(graph, block, tp, sequence_parallel, recompute,
+                                            layouts, fp8)
+    stored, peak = memo[key]
+    return ActivationBreakdown(stored * scale, peak * scale)
+
+
+def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parallel: bool,
+                            recompute: str, layouts: TPLayouts | None,
+                            fp8: bool) -> tuple[float, float]:
+    """Unscaled (stored, recompute peak) bytes of :func:`block_activation_bytes`."""
     grad_ops = requires_grad(graph)
     members = set(block.nodes)
     layout: TPLayout = tp_layout(graph, block, layouts)
@@ -268,7 +295,7 @@ def block_activation_bytes(
     else:
         total_stored = sum(stored.values())
         peak = sum(everything.values()) - total_stored
-    return ActivationBreakdown(total_stored * scale, peak * scale)
+    return total_stored, peak
 
 
 def op_policy_outputs(graph: Graph, block: Block, divisor) -> dict[str, float]:
@@ -296,6 +323,16 @@ def forward_peak_bytes(graph: Graph, block: Block, tp: int = 1, scale: float = 1
     reader; the block's outputs stay. Values inside a tensor-parallel region are split. The
     model's outputs (logits) are divided by ``output_positions``: a prefill computes them
     for the last position only, not for each of the captured ones."""
+    chosen = layouts.get(block.type_id) if layouts is not None else None
+    key = ("forward peak", block.index, tp, chosen, output_positions)
+    memo = _MEMO.setdefault(graph, {})
+    if key not in memo:
+        memo[key] = _forward_peak_bytes(graph, block, tp, layouts, output_positions)
+    return memo[key] * scale
+
+
+def _forward_peak_bytes(graph: Graph, block: Block, tp: int, layouts: TPLayouts | None,
+                        output_positions: int) -> float:
     layout = tp_layout(graph, block, layouts)
     members = set(block.nodes)
     order = {name: k for k, name in enumerate(block.nodes)}
@@ -331,4 +368,4 @@ def forward_peak_bytes(graph: Graph, block: Block, tp: int = 1, scale: float = 1
         if last_use.get(name, -1) < k and name in size and \
                 graph.op(name).kind is not OpKind.VIEW:
             live -= size[name]  # written and never read inside the block
-    return peak * scale
+    return peak

@@ -384,18 +384,21 @@ def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale:
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
                       recompute: str) -> BlockCost:
     """:func:`block_cost`, computed once per block type and the knobs it depends on."""
-    config = resolve_precision(config, cluster)
     block = graph.blocks[index]
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
+    features = engine_features(config.engine)
+    # the search asks hundreds of thousands of times: the key is built without copying config
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.cp, config.cp_mode, config.microbatch_size, config.precision, cluster.cache_key, layout,
-           config.vocab_parallel, engine_features(config.engine).tied_vocab_parallel,
-           engine_features(config.engine).whole_p2p_under_sp,
+           config.cp, config.cp_mode, config.microbatch_size,
+           config.precision or default_precision(cluster.device), cluster.cache_key, layout,
+           config.vocab_parallel, features.tied_vocab_parallel, features.whole_p2p_under_sp,
            config.engine in FUSED_KERNEL_ENGINES)
     by_type = graph_memo(graph)
-    if key not in by_type:
-        by_type[key] = block_cost(graph, block, config, cluster, recompute)
-    return by_type[key]
+    cost = by_type.get(key)
+    if cost is None:
+        cost = by_type[key] = block_cost(graph, block, resolve_precision(config, cluster),
+                                         cluster, recompute)
+    return cost
 
 
 def cached_block_traffic(graph: Graph, index: int, config: ParallelConfig,
