@@ -14,6 +14,8 @@ import sys
 CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
+import os
+os.environ["AUTOPAR_CACHE"] = "off"  # time torch.export, not the graph cache
 import autopar
 t1 = time.perf_counter()
 g = autopar.capture(sys.argv[1], seq=int(sys.argv[2]))

@@ -18,6 +18,8 @@ CASES = [("llama3-8b", 8, 64, 4096), ("llama3-8b", 64, 512, 4096), ("llama3-70b"
 
 CHILD = r"""
 import json, sys, time
+import os
+os.environ["AUTOPAR_CACHE"] = "off"  # time torch.export, not the graph cache
 import autopar
 name, devices, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t0 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -56,11 +57,22 @@ def _lock_path(testrunuid: str, kind: str = "run") -> Path:
     return Path(tempfile.gettempdir()) / f"autopar-tests-{testrunuid}.{kind}.lock"
 
 
+def _graph_cache(uid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"autopar-tests-{uid}.graphs"
+
+
 def pytest_configure(config) -> None:
     # the controller names the run (xdist hands the name to its workers) so that it can
     # remove the run's lock files when the run ends
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
         config.option.testrunuid = uuid.uuid4().hex
+    # one graph cache (autopar.capture.cache) for the run's workers and the programs they
+    # start: a config is captured once per run, and never read from a user's cache
+    uid = getattr(config.option, "testrunuid", None) or os.environ.get(
+        "PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+    config._autopar_graphs = str(_graph_cache(uid))
+    os.environ["AUTOPAR_CACHE_DIR"] = config._autopar_graphs
+    os.environ.pop("AUTOPAR_CACHE", None)
 
 
 def pytest_unconfigure(config) -> None:
@@ -68,6 +80,8 @@ def pytest_unconfigure(config) -> None:
     if uid and not hasattr(config, "workerinput"):
         for kind in ("run", "gate"):
             _lock_path(uid, kind).unlink(missing_ok=True)
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(getattr(config, "_autopar_graphs", ""), ignore_errors=True)
 
 
 EXCLUSIVE_WAIT_S = 900  # then the exclusive test runs beside the others rather than hang

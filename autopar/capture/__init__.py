@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from autopar.capture.attention_hook import NOT_A_MODULE, context_parallel_refusal
+from autopar.capture.cache import graph_key, load_graph, store_graph
 from autopar.capture.torch_capture import capture_module
 from autopar.errors import CaptureError
 from autopar.ir.blocks import assign_blocks
@@ -46,7 +47,11 @@ def capture(
     ``peft`` (a fine-tuning method, see :func:`autopar.peft.parse_peft`) transforms the model
     first, in place for an nn.Module as peft's ``get_peft_model`` does: its frozen and
     trainable parameters are recorded per parameter.
+
+    A config captured before with the same batch, sequence and method is read from the graph
+    cache (:mod:`autopar.capture.cache`; ``AUTOPAR_CACHE=off`` turns it off).
     """
+    key = None  # the graph cache's key, where the capture reads only a config (capture.cache)
     if isinstance(model, (str, Path)):
         text = str(model)
         if text.lower().endswith(".onnx"):
@@ -59,10 +64,16 @@ def capture(
             graph.context_parallel_refusal = NOT_A_MODULE
         else:
             cfg = load_config(text)
+            seq = seq or min(max_positions(cfg), 4096)
+            if example_inputs is None and kwargs is None:  # a pure function of these: cached
+                key = graph_key(cfg, batch, seq, parse_peft(peft).to_dict()
+                                if peft is not None else None)
+                cached = load_graph(key)
+                if cached is not None:
+                    return cached
             module = build_model(cfg, device="meta")
             _adapt(module, peft)
-            args = _as_tuple(example_inputs) or token_inputs(
-                batch, seq or min(max_positions(cfg), 4096))
+            args = _as_tuple(example_inputs) or token_inputs(batch, seq)
             graph = _capture_module(module, args, kwargs, cfg)
     elif isinstance(model, nn.Module):
         args = _as_tuple(example_inputs)
@@ -82,6 +93,8 @@ def capture(
     assign_blocks(graph)
     if peft is not None:
         graph.peft = parse_peft(peft).to_dict()
+    if key is not None:
+        store_graph(key, graph)
     return graph
 
 
