@@ -145,9 +145,9 @@ def test_mixture_of_experts_pipeline_matches_single_process(mixtral, pins: dict)
     plan = _plan(graph, devices, ep=1, microbatch_size=1,
                  num_microbatches=4 // pins.get("dp", 1), **pins)
     assert plan.mesh["pp"] == 2 and plan.zero_stage == pins["zero_stage"]
-    losses, _ = run_ranks(source, plan, STEPS)
+    # losses and the first step's gradients (clipped, as one process's) from one run
+    losses, _, grads = run_ranks(source, plan, STEPS, first_grads=True)
     assert losses == pytest.approx(reference, rel=1e-4)
-    *_, grads = run_ranks(source, plan, 1, first_grads=True)  # clipped, as one process's
     *_, reference_grads = run_ranks(source, _plan(graph, 1, ep=1, microbatch_size=2), 1,
                                     first_grads=True)
     assert grads.keys() == reference_grads.keys()
@@ -155,11 +155,10 @@ def test_mixture_of_experts_pipeline_matches_single_process(mixtral, pins: dict)
         assert np.linalg.norm(grads[name] - ref) <= 1e-4 * np.linalg.norm(ref), name
 
 
+# ZeRO-0 of ep inside stages runs in tests/train/test_router_loss.py (the search's schedule)
 PIPELINE_CASES = {
-    "zero0": dict(zero_stage=0),
-    "zero1": dict(zero_stage=1),
+    "1f1b full recompute zero1": dict(zero_stage=1, schedule="1f1b", recompute="full"),
     "zero3": dict(zero_stage=3),
-    "1f1b full recompute": dict(zero_stage=0, schedule="1f1b", recompute="full"),
     "zero-bubble zero2": dict(zero_stage=2, schedule="zero_bubble"),
 }
 
@@ -423,7 +422,7 @@ def test_traced_experts_inputs_are_put_in_forward_order() -> None:
     assert _forward_order([hidden, index]) is None
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["pp2", "pp2 x ep2"])
+@pytest.mark.parametrize("ep", [2], ids=["pp2 x ep2"])  # the stages without ep trace alike
 def test_mixture_of_experts_pipeline_trains_in_bf16(mixtral, ep: int) -> None:
     """The planner's default precision, bf16 autocast, through a pipeline of MoE layers: the
     stages are traced in fp32, so the router's ``logits.float()`` must convert the bf16 logits
