@@ -91,16 +91,14 @@ def _input_bytes(graph: Graph, op: OpNode, i: int) -> int:
     return op.input_meta[i].nbytes if i < len(op.input_meta) else 0
 
 
-_GRAD_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def requires_grad(graph: Graph, frozen_count: bool = True) -> set[str]:
     """Ops whose outputs depend on a trainable parameter (so autograd records them). With
     ``frozen_count=False`` every parameter counts as trainable: the values that carry
     activations of the model's own computation, whatever a fine-tuning method froze."""
-    memo = _GRAD_OPS.setdefault(graph, {})
-    if frozen_count in memo:
-        return memo[frozen_count]
+    memo = _MEMO.setdefault(graph, {})
+    key = ("requires grad", frozen_count)
+    if key in memo:
+        return memo[key]
     out: set[str] = set()
     for op in graph.ops:
         if any(graph.params.get(p) is not None and (graph.params[p].trainable or
@@ -108,7 +106,7 @@ def requires_grad(graph: Graph, frozen_count: bool = True) -> set[str]:
             out.add(op.name)
         elif any(src in out for src in op.inputs):
             out.add(op.name)
-    memo[frozen_count] = out
+    memo[key] = out
     return out
 
 
