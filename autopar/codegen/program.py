@@ -258,7 +258,7 @@ def autopar_style_imports(w: _Writer, styles: dict[str, str]) -> None:
     if _style_names(styles, "GraphParallel"):
         w.line("from autopar.parallel.graph_tp import GraphParallel")
     ours = _style_names(styles, "ColumnParallel", "HeadSplit", "KvHeadReplicated", "RowParallel",
-                        "WholeKvProjection")
+                        "SharedRotaryKey", "WholeKvProjection")
     if ours:
         w.line(f"from autopar.parallel.tp_styles import {ours}")
 

@@ -44,6 +44,7 @@ from autopar.cost.precision import default_precision
 from autopar.cost.recompute_policy import LAYERLESS_BLOCKS, op_policy_saved
 from autopar.cost.tp_layout import (
     attention_core,
+    broadcast_inputs,
     cache_split,
     tied_head,
     tp_layout,
@@ -245,6 +246,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
         heads = [n for n in block.nodes if tied_head(graph, n, tp, tied_split)]
         col_inputs = {graph.op(n).inputs[0]: graph.op(n).input_meta[0].nbytes
                       for n in [*layout.column, *layout.kv, *heads] if graph.op(n).inputs}
+        col_inputs.update(broadcast_inputs(graph, block, layout))
         bwd_bytes = [b * byte_scale for b in col_inputs.values()]
         per = [sum(axis_collective_time(k, b, config, "tp", cluster) for k in kinds)
                for b in fwd_bytes + bwd_bytes]

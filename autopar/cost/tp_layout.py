@@ -17,6 +17,7 @@ import networkx as nx
 
 from autopar.cost.config import TPLayouts
 from autopar.ir.graph import Block, Graph, OpKind
+from autopar.ir.latent import LATENT_ATTENTION
 
 
 @dataclass
@@ -68,6 +69,32 @@ def megatron_layout(graph: Graph, block: Block) -> TPLayout:
     layout.sharded = split
     per_graph[block.index] = layout
     return layout
+
+
+def broadcast_split(graph: Graph, op_name: str) -> bool:
+    """Whether ``op_name`` may split its output over tp from a replicated input: the ``expand``
+    that broadcasts latent attention's one-head rotary key to every head
+    (:mod:`autopar.ir.latent`). Each rank expands to its own heads; the input's gradient is
+    then a per-rank share, summed over the tp ranks in the backward like a column-parallel
+    linear's input."""
+    op = graph.op(op_name)
+    if op.target != "aten.expand.default" or op.module_type not in LATENT_ATTENTION or \
+            not op.input_meta or not op.output_meta:
+        return False
+    src, out = op.input_meta[0].shape, op.output_meta[0].shape
+    return len(src) == len(out) == 4 and src[1] == 1 and out[1] > 1
+
+
+def broadcast_inputs(graph: Graph, block: Block, layout: TPLayout) -> dict[str, int]:
+    """Replicated inputs that a split broadcast (:func:`broadcast_split`) reads -> bytes: each
+    one's gradient is all-reduced over tp in the backward."""
+    out = {}
+    for name in block.nodes:
+        if name in layout.sharded and broadcast_split(graph, name):
+            op = graph.op(name)
+            if op.inputs and op.inputs[0] not in layout.sharded:
+                out[op.inputs[0]] = op.input_meta[0].nbytes
+    return out
 
 
 def tied(graph: Graph, param: str) -> bool:

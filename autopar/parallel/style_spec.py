@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 _NAMES = ("ColumnParallel", "RowParallel", "RowwiseParallel", "SequenceParallel", "Relayout",
-          "KvHeadReplicated", "WholeKvProjection", "HeadSplit", "GraphParallel", "Replicate",
-          "Shard")
+          "KvHeadReplicated", "WholeKvProjection", "HeadSplit", "SharedRotaryKey",
+          "GraphParallel", "Replicate", "Shard")
 
 
 class StyleSpec(str):

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.capture.layer_graph import fused_parts, runs_from_graph
 from autopar.errors import PlanError, SequenceParallelUnsupported
+from autopar.ir.latent import LATENT_ATTENTION
 from autopar.parallel.graph_tp import GraphParallel
 from autopar.parallel.style_spec import REPLICATE, StyleSpec, shard
 from autopar.parallel.tp_styles import (
@@ -36,6 +37,7 @@ from autopar.parallel.tp_styles import (
     HeadSplit,
     KvHeadReplicated,
     RowParallel,
+    SharedRotaryKey,
     WholeKvProjection,
     is_conv1d,
     localize_heads,
@@ -265,6 +267,9 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
         styles = _tensor_parallel_styles(model, plan, split, fused, traced, whole_logits)
     for path in _head_split(model, plan):  # Prefix Tuning's prefixes, split by heads
         styles[path] = StyleSpec("HeadSplit")
+    for path in layout.heads:  # latent attention: its shared rotary key's gradient summed
+        if type(model.get_submodule(path)).__name__ in LATENT_ATTENTION:
+            styles[path] = StyleSpec("SharedRotaryKey")
     for layer in graphed:
         styles[layer] = _graph_style(plan, layer)
     layout.styles = _in_model_order(model, styles)
@@ -286,6 +291,7 @@ def build_styles(styles: dict[str, StyleSpec]) -> dict[str, ParallelStyle]:
              "SequenceParallel": SequenceParallel, "ColumnParallel": ColumnParallel,
              "RowParallel": RowParallel, "KvHeadReplicated": KvHeadReplicated,
              "WholeKvProjection": WholeKvProjection, "HeadSplit": HeadSplit,
+             "SharedRotaryKey": SharedRotaryKey,
              "Relayout": Relayout, "Replicate": Replicate, "Shard": Shard}
     return {path: spec.build(names) for path, spec in styles.items()}
 

@@ -200,6 +200,30 @@ class WholeKvProjection(ParallelStyle):
         return module
 
 
+class SharedRotaryKey(ParallelStyle):
+    """Latent attention (DeepSeek-V2's MLA, :mod:`autopar.ir.latent`) split by heads: its
+    down-projection ``kv_a_proj_with_mqa`` stays whole, and the one rotary key it makes (the
+    last ``qk_rope_head_dim`` features) is expanded to each rank's own heads. Each rank's
+    gradient for that key covers only its heads, so the key passes through an identity whose
+    backward sums it over the tensor-parallel ranks; the latent's gradient is already whole
+    (``kv_b_proj``'s column-parallel input is all-reduced by its own style)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        down = getattr(module, "kv_a_proj_with_mqa", None)
+        rank = getattr(module, "kv_lora_rank", None)
+        if not isinstance(down, nn.Linear) or not isinstance(rank, int):
+            raise PlanError(f"{type(module).__name__} has no kv_a_proj_with_mqa / kv_lora_rank "
+                            f"to split as latent attention; pin tp=1")
+        group = device_mesh.get_group()
+
+        def summed_rotary_key(_module, _args, out):
+            latent, key = out[..., :rank], out[..., rank:]
+            return torch.cat([latent, copy_to_group(key, group)], dim=-1)
+
+        down.register_forward_hook(summed_rotary_key)
+        return module
+
+
 class HeadSplit(ParallelStyle):
     """Every parameter of a module split by heads along its first dimension (a Prefix Tuning
     prefix [kv_heads, tokens, head_dim], with the attention that reads it)."""

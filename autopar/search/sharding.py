@@ -6,7 +6,9 @@ output all-reduced in the forward); ops that can work on split data (elementwise
 attention over split heads, softmax) are replicated or split (S); norms, embeddings, routers and
 experts stay replicated (experts are expert parallelism's). An edge carries a split value only
 into an op that takes split input, except values with no gradient (masks, rotary tables),
-which any split op slices for free; what the next block reads is replicated (the model's final
+which any split op slices for free (and latent attention's shared rotary key, which its
+``expand`` broadcasts to each rank's own heads: B, the key's gradient all-reduced in the
+backward, :func:`autopar.cost.tp_layout.broadcast_split`); what the next block reads is replicated (the model's final
 outputs, the logits, may stay split for a vocabulary-parallel loss). The objective is the
 block's forward + backward compute on one device plus the all-reduces the strategies imply
 (one per distinct column-parallel input), in integer nanoseconds. One model per block type and
@@ -27,7 +29,7 @@ from autopar.cost.compute import op_backward_time, op_time
 from autopar.cost.config import BlockLayout, ParallelConfig, TPLayouts
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import DTYPE_BYTES
-from autopar.cost.tp_layout import tied
+from autopar.cost.tp_layout import broadcast_split, tied
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
 from autopar.peft import is_added_param, is_prefix_param
 from autopar.search.placements import fused_segments
@@ -103,6 +105,10 @@ def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = No
         if op.input_meta and op.input_meta[0].shape[-1] % tp == 0:
             out.append("W")
         return out
+    if broadcast_split(graph, name):
+        # latent attention's shared rotary key, expanded to each rank's own heads (B): its
+        # gradient summed over the ranks in the backward
+        return ["R", "S", "B"]
     if op.params and all(is_prefix_param(p) for p in op.params) and \
             op.kind in (OpKind.VIEW, OpKind.ELEMENTWISE):
         # a Prefix Tuning prefix [kv_heads, tokens, head_dim] on its way into the keys or
@@ -126,7 +132,10 @@ def _heads(graph: Graph, op: OpNode) -> tuple[int, ...]:
     for i in (1, 2):
         if i < len(op.inputs):
             root = storage_root(graph, op.inputs[i])
-            meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
+            # a linear's own output is [batch, seq, features] (MLA's up-projection of its
+            # one-head latent: [batch, 1, seq, heads x dim]): its dimension 1 counts no heads
+            owned = graph.has_op(root) and graph.op(root).kind is not OpKind.LINEAR
+            meta = graph.op(root).output_meta[0] if owned else op.input_meta[i]
             if len(meta.shape) == 4:
                 heads.append(meta.shape[1])
     return tuple(heads)
@@ -137,7 +146,7 @@ def _op_seconds(op: OpNode, strategy: str, tp: int, cluster: Cluster, dtype: str
     """Forward + backward of one op under one strategy, with the forward all-reduce that a
     row-parallel linear implies (a column-parallel input's backward all-reduce is priced
     separately: once per distinct input)."""
-    divisor = tp if strategy in ("C", "W", "S") else kv_heads if strategy == "G" else 1
+    divisor = tp if strategy in ("C", "W", "S", "B") else kv_heads if strategy == "G" else 1
     seconds = (op_time(op, cluster.device, dtype, 1.0, 1.0, divisor)
                + op_backward_time(op, cluster.device, dtype, 1.0, 1.0, divisor))
     if strategy == "W":
@@ -155,7 +164,7 @@ def _decode_op_seconds(graph: Graph, op: OpNode, strategy: str, tp: int, cluster
     memory bandwidth, with the all-reduce of one token's output after a row-parallel linear.
     A decoding step is bound by these reads (see :mod:`autopar.cost.decode`), which split
     over tp where the tile and wave effects of a long captured sequence would not."""
-    divisor = tp if strategy in ("C", "W", "S") else kv_heads if strategy == "G" else 1
+    divisor = tp if strategy in ("C", "W", "S", "B") else kv_heads if strategy == "G" else 1
     device = cluster.device
     shape = graph.inputs[0].meta.shape if graph.inputs else ()
     batch = shape[0] if shape else 1
@@ -174,7 +183,7 @@ def _decode_op_seconds(graph: Graph, op: OpNode, strategy: str, tp: int, cluster
 
 
 STRATEGY_NAMES = {"R": "replicate", "C": "column", "W": "row", "S": "split",
-                  "G": "kv-replicated"}
+                  "G": "kv-replicated", "B": "broadcast"}
 
 
 def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16"
@@ -193,7 +202,7 @@ def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: s
         costs = {}
         for s in (_strategies(graph, name, tp, kv) if tp > 1 else ["R"]):
             seconds = _op_seconds(op, s, tp, cluster, dtype, kv.get(name, 1))
-            if s in ("C", "G") and op.input_meta:
+            if s in ("C", "G", "B") and op.input_meta:
                 seconds += axis_collective_time("all_reduce", op.input_meta[0].nbytes, config,
                                                 "tp", cluster)
             costs[STRATEGY_NAMES[s]] = seconds
@@ -230,13 +239,13 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
             cost_terms.append(int(round(seconds * ns)) * x[name, s])
         model.AddExactlyOne(x[name, s] for s in options)
         if any(succ not in members for succ in graph.dag.successors(name)):
-            for s in ("C", "S", "G"):  # what the next block reads is replicated (outputs,
+            for s in ("C", "S", "G", "B"):  # what the next block reads is replicated (outputs,
                 # the logits, may stay split: the loss runs on vocabulary-parallel logits)
                 if (name, s) in x:
                     model.Add(x[name, s] == 0)
 
     def out_split(name: str) -> list:
-        return [x[name, s] for s in ("C", "S", "G") if (name, s) in x]
+        return [x[name, s] for s in ("C", "S", "G", "B") if (name, s) in x]
 
     allreduce_inputs: dict[str, cp_model.IntVar] = {}
     for name in block.nodes:
@@ -259,7 +268,7 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
                         model.Add(src_split >= t)
                     else:
                         model.Add(t == 0)
-            for s in ("C", "G"):  # one backward all-reduce per distinct column input
+            for s in ("C", "G", "B"):  # one backward all-reduce per distinct column input
                 if decode or (name, s) not in x or i != 0:
                     continue
                 if src not in allreduce_inputs:
@@ -287,7 +296,7 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         objective_s=solver.ObjectiveValue() / ns, bound_s=solver.BestObjectiveBound() / ns,
         column=[pos[n] for n, s in pick.items() if s == "C"],
         row=[pos[n] for n, s in pick.items() if s == "W"],
-        sharded=[pos[n] for n, s in pick.items() if s in ("C", "S", "G")],
+        sharded=[pos[n] for n, s in pick.items() if s in ("C", "S", "G", "B")],
         kv=[(pos[n], kv[n]) for n, s in pick.items() if s == "G"],
     )
 

@@ -1,7 +1,7 @@
-"""Cached generation: the same greedy tokens as Hugging Face's generate (tiny Llama, GPT-2 and
-Mixtral from config, a batch of prompts of different lengths, stop tokens), in one process
-and under tp2 on gloo; seeded sampling with Hugging Face's warpers; an artifact generates
-with its trained weights."""
+"""Cached generation: the same greedy tokens as Hugging Face's generate (tiny Llama, GPT-2,
+Mixtral and DeepSeek-V2 from config, the last from its compressed latent cache; a batch of
+prompts of different lengths, stop tokens), in one process and under tp2 on gloo; seeded
+sampling with Hugging Face's warpers; an artifact generates with its trained weights."""
 
 from __future__ import annotations
 
@@ -40,6 +40,36 @@ def test_greedy_tokens_equal_hugging_face(name: str) -> None:
     assert torch.equal(ours, theirs) and (ours[1, ids.shape[1] + 4:] == 0).all()
 
 
+def test_latent_attention_generates_from_its_compressed_cache() -> None:
+    """Tiny DeepSeek-V2 (MLA): the greedy tokens of Hugging Face's generate, and the cache
+    generation keeps holds each layer's latent and shared rotary key (one "head" of
+    kv_lora_rank and qk_rope_head_dim), not every head's keys and values."""
+    from autopar.ir.latent import decompressed_cache_width, latent_cache_width
+    from autopar.serve.generate import new_cache
+
+    model = _model("tiny-deepseek-v2")
+    ours = autopar.Generator(model).generate(PROMPTS, max_new_tokens=NEW)
+    ids, mask = left_pad(PROMPTS, 0)
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                            use_cache=True, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    config = model.config
+    cache = new_cache(config, ids.shape[1] + NEW)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    width = latent_cache_width(config.to_dict())
+    assert width == config.kv_lora_rank + config.qk_rope_head_dim
+    held = 0
+    for layer in cache.layers:
+        assert layer.keys.shape == (len(PROMPTS), 1, ids.shape[1] + NEW, config.kv_lora_rank)
+        assert layer.values.shape[1:] == (1, ids.shape[1] + NEW, config.qk_rope_head_dim)
+        held += layer.keys.nbytes + layer.values.nbytes
+    positions = len(PROMPTS) * (ids.shape[1] + NEW) * config.num_hidden_layers
+    assert held == positions * width * 4
+    # every head's keys (nope + rope) and values: 4 x (16 + 8 + 16) = 160 per token, 4x more
+    assert decompressed_cache_width(config.to_dict()) == 4 * width
+
+
 def test_sampling_uses_hugging_faces_warpers() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     from transformers.generation.logits_process import (
@@ -64,16 +94,17 @@ def test_sampling_uses_hugging_faces_warpers() -> None:
     assert torch.equal(a, b) and not torch.equal(a, greedy)
 
 
-def _generate_under(plan_dict: dict) -> list:
+def _generate_under(plan_dict: dict, name: str = "tiny-llama") -> list:
     from autopar.plan import Plan
 
-    tokens = autopar.Generator(_model("tiny-llama"), Plan.from_dict(plan_dict)).generate(
+    tokens = autopar.Generator(_model(name), Plan.from_dict(plan_dict)).generate(
         PROMPTS, max_new_tokens=NEW)
     return tokens.tolist()
 
 
-def _rank(rank: int, port: int, out, world: int, plan_dict: dict) -> None:
-    run_in_group(rank, port, out, world, _generate_under, plan_dict)
+def _rank(rank: int, port: int, out, world: int, plan_dict: dict, name: str = "tiny-llama"
+          ) -> None:
+    run_in_group(rank, port, out, world, _generate_under, plan_dict, name)
 
 
 # plans from the search: tensor parallelism (the planner's full-size layout: attention split
@@ -98,6 +129,23 @@ def test_parallel_generation_gives_one_process_tokens(case: str) -> None:
             "Shard(0)@tp"
     expected = autopar.Generator(_model("tiny-llama")).generate(PROMPTS, max_new_tokens=NEW)
     (tokens,) = spawn_ranks(_rank, devices, (devices, plan.to_dict()), timeout_s=180)
+    assert tokens == expected.tolist()
+
+
+@pytest.mark.dist
+def test_latent_attention_split_by_heads_gives_one_process_tokens() -> None:
+    """Tiny DeepSeek-V2 under tp2 with the layout the planner chooses for DeepSeek-V2-Lite
+    (MLA's q and kv_b split by heads, the latent down-projection whole): each rank caches the
+    whole latent and expands it to its own heads; the tokens are one process's."""
+    graph = autopar.capture("tiny-deepseek-v2", seq=32)
+    plan = autopar.plan(graph, devices=2, global_batch=4, constraints=dict(
+        tp=2, pp=1, dp=1, ep=1, sequence_parallel=False, precision="fp32"))
+    plan = with_full_size_layout(plan, "tiny-deepseek-v2")
+    assert plan.placements["params"]["model.layers.1.self_attn.kv_b_proj.weight"] == \
+        "Shard(0)@tp"
+    expected = autopar.Generator(_model("tiny-deepseek-v2")).generate(PROMPTS,
+                                                                       max_new_tokens=NEW)
+    (tokens,) = spawn_ranks(_rank, 2, (2, plan.to_dict(), "tiny-deepseek-v2"), timeout_s=180)
     assert tokens == expected.tolist()
 
 

@@ -13,6 +13,7 @@ from autopar.errors import PlanError
 from autopar.models.source import build_from_source, describe_source
 from autopar.train.router_loss import load_summary, router_loss_of, router_terms
 from tests.fixtures.harness import differing_gradients, last_record, run_ranks
+from tests.fixtures.layouts import with_full_size_layout
 from tests.fixtures.moe import SEQ, mixtral_one_process, mixtral_plan
 
 MOE = ["tiny-mixtral", "tiny-qwen2-moe"]
@@ -167,12 +168,21 @@ def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict,
                                                            deepseek_one_process) -> None:
     """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer) under plans drawn
     by the search: pp2 x ep2 (Hugging Face collects its router logits with a hook, so they leave
-    the stages as model outputs and are relayed to the last one) and tp2 x ep2 (the dense and
-    shared-expert MLPs split, MLA attention kept whole as planned). Losses with the router
-    terms, the logged term and every first-step gradient equal one process's."""
+    the stages as model outputs and are relayed to the last one) and tp2 x ep2 with the layout
+    the planner chooses for DeepSeek-V2-Lite (MLA split by heads: q and kv_b column-parallel,
+    o_proj row-parallel, the latent down-projection whole and its shared rotary key's gradient
+    summed over tp; the dense and shared-expert MLPs split). Losses with the router terms, the
+    logged term and every first-step gradient equal one process's."""
     ref_losses, _, ref_grads, ref_record = deepseek_one_process
     parallel = _deepseek_plan(4, dp=1, cp=1, **pins)
     assert all(parallel.mesh[a] == pins[a] for a in ("pp", "ep", "tp"))
+    if pins["tp"] > 1:
+        parallel = with_full_size_layout(parallel, "tiny-deepseek-v2")
+        params = parallel.placements["params"]
+        attention = "model.layers.1.self_attn."
+        assert [params[attention + m + ".weight"] for m in
+                ("q_proj", "kv_b_proj", "o_proj", "kv_a_proj_with_mqa")] == \
+            ["Shard(0)@tp", "Shard(0)@tp", "Shard(1)@tp", "Replicate"]
     losses, _, grads, record = run_ranks(describe_source("tiny-deepseek-v2"), parallel, STEPS,
                                          first_grads=True, hyper=HYPER, probe=last_record,
                                          timeout_s=400)
