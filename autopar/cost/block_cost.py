@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, replace
 
-from autopar.cost.activations import block_activation_bytes, forward_peak_bytes, storage_root
+from autopar.cost.activations import block_activation_bytes, forward_peak_bytes
 from autopar.cost.comm import (
     axis_collective_time,
     bulk_wall,
@@ -37,9 +37,10 @@ from autopar.cost.engines import (
     engine_features,
     sm_share_slowdown,
 )
-from autopar.cost.expert_load import busiest_rank_load, expert_count, top_k
+from autopar.cost.expert_load import busiest_rank_load, capped_load, expert_count, top_k
 from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
+from autopar.cost.kv_cache import cache_bytes
 from autopar.cost.precision import default_precision
 from autopar.cost.recompute_policy import LAYERLESS_BLOCKS, op_policy_saved
 from autopar.cost.tp_layout import (
@@ -117,7 +118,9 @@ def _expert_load(graph: Graph, block: Block, config: ParallelConfig) -> float:
     if not experts:
         return 1.0
     tokens = captured_seq(graph) * config.microbatch_size / config.cp
-    return busiest_rank_load(tokens, top_k(graph, experts), config.ep)
+    k = top_k(graph, experts)
+    return capped_load(busiest_rank_load(tokens, k, config.ep), config.capacity_factor,
+                       captured_seq(graph), k, experts)
 
 
 def captured_seq(graph: Graph) -> int:
@@ -269,15 +272,7 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
                                   scale=byte_scale, layouts=config.tp_layouts,
                                   fp8=precision.compute == "fp8")
-    kv = 0.0
-    for name in block.nodes:
-        op = graph.op(name)
-        if op.kind is OpKind.ATTENTION and len(op.inputs) >= 3 and "scaled_dot" in op.target:
-            # the cache holds k and v before grouped-query heads are repeated
-            for i in (1, 2):
-                root = storage_root(graph, op.inputs[i])
-                src = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
-                kv += min(src.nbytes, op.input_meta[i].nbytes) * byte_scale / kv_split
+    kv = cache_bytes(graph, block, kv_split) * byte_scale
     dense = expert = trainable_dense = trainable_expert = 0.0
     for p in block.params:
         info = graph.params.get(p)
@@ -394,7 +389,7 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
            config.cp, config.cp_mode, config.microbatch_size,
            config.precision or default_precision(cluster.device), cluster.cache_key, layout,
            config.vocab_parallel, features.tied_vocab_parallel, features.whole_p2p_under_sp,
-           config.engine in FUSED_KERNEL_ENGINES)
+           config.engine in FUSED_KERNEL_ENGINES, config.capacity_factor)
     by_type = graph_memo(graph)
     cost = by_type.get(key)
     if cost is None:

@@ -82,6 +82,9 @@ class ParallelConfig:
     engine: str = "autopar"
     tp_layouts: TPLayouts | None = None  # None: the Megatron layout of every block type
     vocab_parallel: bool = True  # False: embedding tables stay whole on every tp rank
+    # GShard expert capacity: each expert takes at most this many even shares of a sequence's
+    # token copies, the rest dropped (None: dropless routing)
+    capacity_factor: float | None = None
 
     @property
     def devices(self) -> int:
@@ -128,6 +131,8 @@ class ParallelConfig:
             raise ValueError(f"cp_mode must be one of {CP_MODES}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError("capacity_factor must be positive (or None: dropless)")
         if self.tp_layouts is not None and self.tp_layouts.tp != self.tp:
             raise ValueError(f"tp_layouts are for tp={self.tp_layouts.tp}, the config has "
                              f"tp={self.tp}")

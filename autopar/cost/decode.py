@@ -12,7 +12,10 @@ cache, for a handful of FLOPs per byte. Per op, on one device::
   holding ``E / ep`` of them reads ``(E / ep)(1 - (1 - k/E)^b)`` on average.
 - **The cache.** Attention reads ``context`` positions of keys and values per sequence, split
   by tensor parallelism over the kv heads (replicated when tp exceeds them, so each rank reads
-  one head's share).
+  one head's share). Latent attention (DeepSeek-V2's MLA) reads its cached latent and rotary
+  key, whole on every rank, and re-expands them at every step: its up-projection runs over
+  the ``context`` positions and the attention reads the expanded keys and values
+  (:mod:`autopar.cost.kv_cache`).
 - **Skinny matmuls.** A matmul with a few rows runs as a GEMV or split-K kernel that spreads
   the weight over every compute unit, so the tile-and-wave waste of large matmuls
   (:func:`autopar.cost.compute.matmul_efficiency`) does not apply; the weight stream bounds it.
@@ -36,6 +39,7 @@ from autopar.cost.comm import axis_collective_time
 from autopar.cost.config import ParallelConfig
 from autopar.cost.expert_load import expert_count, top_k
 from autopar.cost.hardware import Cluster, DeviceSpec
+from autopar.cost.kv_cache import attention_cache_bytes, latent_attention, latent_up_projection
 from autopar.cost.tp_layout import cache_split, tp_layout, vocab_parallel
 from autopar.ir.graph import Graph, OpKind, OpNode, dtype_bytes
 
@@ -119,7 +123,12 @@ def _block_decode_cost(graph: Graph, index: int, config: ParallelConfig, cluster
         moved = max(op.bytes_read + op.bytes_written - param_captured, 0)
         act_bytes = moved * per_token * act_scale / divisor
         flops = op.flops * per_token / divisor
-        kv_read = 0.0
+        kv_read = cached = 0.0
+        if latent_up_projection(graph, op):
+            # latent attention re-expands every cached position's latent into this rank's
+            # heads' keys and values at each step (Hugging Face's DeepSeek-V2 attention)
+            flops = op.flops / cap_tokens * batch * context / divisor
+            act_bytes = (op.output_bytes / cap_tokens * act_scale * batch * context / divisor)
         if op.kind is OpKind.ATTENTION:
             # scores and values over the cache: FLOPs per (query, key) pair from the capture
             pairs = cap_batch * cap_seq * cap_seq
@@ -132,11 +141,19 @@ def _block_decode_cost(graph: Graph, index: int, config: ParallelConfig, cluster
                 meta = graph.op(root).output_meta[0] if graph.has_op(root) else op.input_meta[i]
                 per_position = min(meta.nbytes, op.input_meta[i].nbytes) / cap_tokens
                 kv_read += per_position * act_scale * batch * context / kv_split
+            if latent_attention(graph, op):
+                # the keys and values it reads are the re-expanded ones; the cache read is the
+                # latent and the rotary key, whole on every rank
+                cached = (attention_cache_bytes(graph, block, op, kv_split) / cap_tokens
+                          * act_scale * batch * context)
+                kv_read += cached
+            else:
+                cached = kv_read
             act_bytes = batch * (op.output_meta[0].nbytes / cap_tokens if op.output_meta
                                  else 0) * act_scale / divisor
         nbytes = weight_read + act_bytes + kv_read
         weights += weight_read
-        cache += kv_read
+        cache += cached
         rate = peak * (device.efficiency.matmul if op.kind in _MATMULS
                        or op.kind is OpKind.MOE_EXPERT else
                        device.efficiency.attention if op.kind is OpKind.ATTENTION

@@ -18,8 +18,13 @@ approximate)", Applied Statistics 31(2)): 0.564 for two ranks, 1.424 for eight, 
 
 This is the floor of the imbalance (every copy placed independently); a trained router whose
 tokens prefer some experts is less even, which a measured run shows and this factor does not.
-Routing with a capacity factor ``F`` caps each expert at ``F`` even shares; autopar's runtime
-and the models it runs route dropless by default, which is what is priced.
+Routing with a capacity factor ``F`` caps each expert at ``ceil(F x seq x k / E)`` copies of
+a sequence (GShard, Lepikhin et al. 2021, section 2.2; Megatron-Core's
+``moe_expert_capacity_factor``), the copies past it dropped: a rank holding ``E / ep`` experts
+then takes at most that many even shares, so the busiest rank's load is the smaller of the
+two (:func:`capped_load`: the expectation of the smaller is at most the smaller of the
+expectations, so this errs slow by the chance that the cap binds). Without a capacity factor
+autopar's runtime and the models it runs route dropless, which is the default priced.
 """
 
 from __future__ import annotations
@@ -78,5 +83,15 @@ def busiest_rank_load(tokens: float, k: int, ranks: int) -> float:
     return 1.0 + expected_max_normal(ranks) / math.sqrt(tokens * k)
 
 
-__all__ = ["TOP_K_KEYS", "busiest_rank_load", "expected_max_normal", "expert_count",
-           "top_k"]
+def capped_load(load: float, capacity_factor: float | None, seq: int, k: int,
+                experts: int) -> float:
+    """``load`` (even shares on the busiest rank) under a capacity factor: at most the
+    capacity of a sequence, ``ceil(F x seq x k / E)`` copies per expert, in even shares."""
+    if capacity_factor is None or seq <= 0 or k <= 0 or experts <= 0:
+        return load
+    capacity = math.ceil(capacity_factor * seq * k / experts)
+    return min(load, capacity * experts / (seq * k))
+
+
+__all__ = ["TOP_K_KEYS", "busiest_rank_load", "capped_load", "expected_max_normal",
+           "expert_count", "top_k"]

@@ -44,6 +44,9 @@ def megatron_args(plan: Plan) -> list[str]:
             "--global-batch-size", str(plan.global_batch)]
     if m["ep"] > 1:
         args += ["--expert-model-parallel-size", str(m["ep"])]
+    if plan.capacity_factor is not None:  # token dropping in sequence order, like autopar's
+        args += ["--moe-expert-capacity-factor", repr(float(plan.capacity_factor)),
+                 "--moe-token-drop-policy", "position"]
     if m.get("cp", 1) > 1:
         args += ["--context-parallel-size", str(m["cp"]),
                  "--cp-comm-type", _CP_COMM[plan.cp_mode]]
@@ -165,6 +168,8 @@ def constraints_from_megatron(text: str, engine: str | None = "autopar") -> dict
                  "pp": int(values.get("--pipeline-model-parallel-size", 1)),
                  "ep": int(values.get("--expert-model-parallel-size", 1)),
                  "sequence_parallel": bool(values.get("--sequence-parallel", False))}
+    if "--moe-expert-capacity-factor" in values:
+        out["capacity_factor"] = float(values["--moe-expert-capacity-factor"])
     cp = int(values.get("--context-parallel-size", 1))
     if cp > 1 or "--context-parallel-size" in values:
         out["cp"] = cp

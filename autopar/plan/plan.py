@@ -139,6 +139,8 @@ class Plan:
     # whose collectives the prediction prices: autopar's runtime, or megatron / deepspeed
     engine: str = "autopar"
     cp_mode: str = "ring"
+    # GShard expert capacity the plan was priced with and the runtime drops at (None: dropless)
+    capacity_factor: float | None = None
     # task="finetune": the parameter-efficient method (autopar.peft.PeftConfig as a dict) and
     # the parameters it trains (the rest are frozen)
     peft: dict = field(default_factory=dict)
@@ -221,6 +223,11 @@ class Plan:
         if product != self.devices:
             raise PlanError(f"{where}: mesh {mesh} covers {product} devices but devices is "
                             f"{self.devices}; make pp*dp*cp*ep*tp equal devices")
+        if self.capacity_factor is not None and not (
+                isinstance(self.capacity_factor, (int, float))
+                and not isinstance(self.capacity_factor, bool) and self.capacity_factor > 0):
+            raise PlanError(f"{where}: capacity_factor must be a positive number or null "
+                            f"(dropless), got {self.capacity_factor!r}")
         if self.cp_mode not in ("ring", "alltoall", "hybrid", "allgather"):
             raise PlanError(f"{where}: cp_mode must be ring, alltoall, hybrid or allgather, "
                             f"got {self.cp_mode!r}")

@@ -24,6 +24,7 @@ from autopar.errors import PlanError
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
 NonNegative = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # module paths, parameter and input names: identifiers joined by dots (an ONNX file's
 # initialisers also have ":", "/" and "-": "onnx::MatMul_12")
 Path = Annotated[str, StringConstraints(pattern=r"^[\w.:/\-]+$", max_length=300)]
@@ -122,6 +123,7 @@ class PlanFile(TypedDict, total=False):
     engine: Literal["autopar", "megatron", "megatron-core", "deepspeed", "llama3-4d",
                     "llm-foundry"]
     cp_mode: Literal["ring", "alltoall", "hybrid", "allgather"]
+    capacity_factor: PositiveFloat | None
     peft: dict
     trainable_params: Count
     parallelisms: dict[Word, bool | int | Word]

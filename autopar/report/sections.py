@@ -39,6 +39,9 @@ def summary_section(d: dict) -> Section:
             + ")" if m.get("cp", 1) > 1 else "")),
         ("batching", f"global {s['global_batch']} = dp*ep {m['dp'] * m['ep']} x micro-batch "
                      f"{s['microbatch_size']} x {s['num_microbatches']} micro-batches"),
+        *([("experts", f"capacity factor {s['capacity_factor']:g}: each expert takes at most "
+                       f"that many even shares of a sequence's token copies, the rest dropped")]
+          if s.get("capacity_factor") is not None else []),
         ("schedule", schedule),
         ("ZeRO", s["zero"]),
         ("recompute", fmt.recompute_counts(s["recompute"])),

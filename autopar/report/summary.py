@@ -237,6 +237,7 @@ def report_data(plan: Plan) -> dict:
             "host_bytes_per_node": p.host_bytes_per_node,
             "precision": dict(plan.precision), "engine": plan.engine,
             "cp_mode": plan.cp_mode, "engine_runs_cp": runtime_runs_cp(plan.engine or "autopar"),
+            "capacity_factor": plan.capacity_factor,
             "peft": dict(plan.peft), "trainable_params": plan.trainable_params,
             "model_params": plan.model.get("params", 0),
             "serving": {"prefill_s": p.prefill_s, "decode_s_per_token": p.decode_s_per_token,

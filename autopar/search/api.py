@@ -105,7 +105,8 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
     if engine not in ENGINES:
         raise PlanError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     defaults = {"precision": precision, "engine": engine,
-                "vocab_parallel": pins.pop("vocab_parallel", True)}
+                "vocab_parallel": pins.pop("vocab_parallel", True),
+                "capacity_factor": pins.pop("capacity_factor", None)}
     shape = pins.pop("model", None)
     if shape:  # constraints written for a model (a MindFormers model_config, Megatron flags)
         wrong = shape_mismatch(shape, _shape(graph))
@@ -120,6 +121,8 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
         raise PlanError(f"cp={pins['cp']} does not run on this model ({facts.cp_refusal}); "
                         f"re-plan with constraints cp=1, or engine=megatron to export it")
     _check_pins(pins, facts, devices, global_batch, engine)
+    if defaults["capacity_factor"] is not None:
+        _capacity_pins(pins, facts, task, engine)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
     if engine == "autopar":
@@ -235,6 +238,24 @@ def _shape(graph: Graph) -> dict[str, int]:
     return model_shape(graph.model_config, seq) if graph.model_config else {}
 
 
+def _capacity_pins(pins: dict, facts, task: str, engine: str) -> None:
+    """A capacity factor prices (and the runtime drops) routed token copies: only for a
+    training plan of a model with routed experts; for autopar's runtime, on one stage without
+    context parallelism (where it counts capacity per whole sequence)."""
+    if not facts.experts:
+        raise PlanError("capacity_factor caps routed experts, and this model has none; drop "
+                        "the constraint")
+    if task == "infer":
+        raise PlanError("capacity_factor applies to training (generation routes dropless); "
+                        "drop it to plan serving")
+    for axis in ("pp", "cp") if engine == "autopar" else ():
+        if pins.get(axis, 1) > 1:
+            raise PlanError(f"capacity_factor with {axis}={pins[axis]}: the runtime counts "
+                            f"capacity per whole sequence in one stage; pin {axis}=1 or drop "
+                            f"capacity_factor")
+        pins[axis] = 1
+
+
 def _check_pins(pins: dict, facts, devices: int, global_batch: int, engine: str) -> None:
     """A pinned degree that can never work gets its own message, not a generic 'no plan'."""
     product = 1
@@ -330,5 +351,5 @@ def build_plan(graph: Graph, cluster: Cluster, devices: int, task: str, global_b
                       for c, e in result.alternatives],
         solver=solver, memory_limit_bytes=round6(capacity),
         precision=precision.as_dict() if precision is not None else {},
-        engine=config.engine, cp_mode=config.cp_mode,
+        engine=config.engine, cp_mode=config.cp_mode, capacity_factor=config.capacity_factor,
     )

@@ -12,7 +12,10 @@ schedule (gpipe | 1f1b | interleaved | zero_bubble), sequence_parallel (bool), p
 prediction prices, how they overlap and what the loss keeps, autopar.cost.engines), vocab_parallel
 (bool: false keeps embedding tables whole on every tp rank), model (the shape the pins were
 written for: hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, vocab_size,
-seq_length; a model of another shape is refused).
+seq_length; a model of another shape is refused), capacity_factor (a positive number: GShard
+expert capacity, each expert taking at most that many even shares of a sequence's token
+copies and dropping the rest; mixture-of-experts training without pipeline stages or context
+parallelism; absent or null: dropless).
 A MindFormers ``parallel_config`` block (data_parallel, model_parallel, pipeline_stage,
 expert_parallel, micro_batch_num, use_seq_parallel) with ``optimizer_shard`` and
 ``recompute_config`` is translated to the same keys, and so is a DeepSpeed JSON config
@@ -42,7 +45,8 @@ from autopar.plan.shape import SHAPE_KEYS
 INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "microbatch_size", "num_microbatches", "zero_stage",
             "virtual_stages")
 KEYS = (*INT_KEYS, "recompute", "offload", "schedule", "sequence_parallel", "precision",
-        "engine", "vocab_parallel", "model", "cp_mode", "stage_layers", "stages")
+        "engine", "vocab_parallel", "model", "cp_mode", "stage_layers", "stages",
+        "capacity_factor")
 _IGNORED = ("name", "description")
 
 
@@ -156,6 +160,14 @@ def _check(key: str, value: object, where: str) -> object:
             raise PlanError(f"{where}: recompute must be one of {', '.join(RECOMPUTE_MODES)} "
                             f"(or one of them per block), got {value!r}")
         return value if isinstance(value, str) else tuple(value)
+    if key == "capacity_factor":
+        if value in (None, "none"):
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                or value == float("inf"):
+            raise PlanError(f"{where}: capacity_factor must be a positive number (or none: "
+                            f"dropless routing), got {value!r}")
+        return float(value)
     if key == "cp_mode":
         if value not in CP_MODES:
             raise PlanError(f"{where}: cp_mode must be one of {', '.join(CP_MODES)}, "

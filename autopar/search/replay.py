@@ -33,7 +33,8 @@ def plan_config(plan: Plan, graph: Graph) -> ParallelConfig:
         recompute=tuple(plan.recompute), offload=frozenset(plan.offload),
         stages=tuple(tuple(s) for s in plan.stages), precision=precision, engine=plan.engine,
         tp_layouts=recorded_layouts(plan, graph),
-        vocab_parallel=bool(plan.model.get("vocab_parallel", True)))
+        vocab_parallel=bool(plan.model.get("vocab_parallel", True)),
+        capacity_factor=plan.capacity_factor)
 
 
 def recorded_layouts(plan: Plan, graph: Graph) -> TPLayouts | None:

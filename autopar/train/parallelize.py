@@ -41,7 +41,9 @@ from autopar.peft import applied_method, apply_peft
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.plan.tp_entries import FIX
+from autopar.train.expert_capacity import CapacityCounter, install_capacity
 from autopar.train.program_calls import pipeline_spec, replicate
+from autopar.train.router_loss import routing_shape
 
 
 def check_module_paths(model: nn.Module, plan: Plan) -> None:
@@ -115,9 +117,14 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     ``context_parallel_of(pipeline.modules)``. Under expert parallelism each data-parallel rank, dp x ep of them, reads its own
     rows (``rank // tp``); with ZeRO-2/3 fully_shard reduces the expert gradients, with
     ZeRO-0/1 DDP reduces the dense ones and the optimizer from :func:`optimizer` the experts'
-    (over dp, before each step, as the Trainer does; ZeRO-1's shards its states too).
+    (over dp, before each step, as the Trainer does; ZeRO-1's shards its states too). A plan
+    with a ``capacity_factor`` drops the token copies past each expert's capacity, as the
+    Trainer does; the returned module's :data:`CAPACITY_ATTR` counts them.
     """
     refuse_unsupported(plan)
+    if plan.capacity_factor is not None and (plan.mesh["pp"] > 1 or plan.mesh["cp"] > 1):
+        raise PlanError("expert capacity is counted per whole sequence inside one module tree: "
+                        "re-plan with constraints pp=1,cp=1, or without capacity_factor")
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan.check_world_size(world)
     if plan.mesh["pp"] > 1 and (example is None or loss_fn is None):
@@ -139,13 +146,26 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
         # each rank's tensors (tensor-parallel shards from rank 0, fully_shard's from each
         # rank's own copy, offload to the host) instead of leaving them to materialize
         program.parallelize(model, mesh, plan)
+        counter = _capacity(model, plan)
         result = _with_expert_sync(replicate(program, model, mesh, plan), plan, mesh)
+        if counter is not None:
+            setattr(result, CAPACITY_ATTR, counter)
     setattr(result, PROGRAM_ATTR, text)
     return result
 
 
+def _capacity(model: nn.Module, plan: Plan) -> CapacityCounter | None:
+    """The plan's expert capacity installed on the parallelized model (None: dropless)."""
+    if plan.capacity_factor is None:
+        return None
+    return install_capacity(model, plan.capacity_factor, *routing_shape(model))
+
+
 # the attribute of what :func:`parallelize` returns holding the program text it ran
 PROGRAM_ATTR = "_autopar_program"
+# the attribute holding the routed and dropped token copies when the plan has a capacity factor
+# (a CapacityCounter: ``routed, dropped = model._autopar_capacity.take()`` after each step)
+CAPACITY_ATTR = "_autopar_capacity"
 # the attribute of a ZeRO-0/1 expert-parallel model holding its expert-gradient sync, which the
 # optimizer from :func:`optimizer` runs before each step
 EXPERT_SYNC_ATTR = "_autopar_sync_expert_grads"

@@ -206,7 +206,10 @@ class Trainer:
         # context parallelism: each cp rank feeds its share of every sequence, loss summed
 
         self.cp = context_parallel_of(model)
-        self.capacity = self._install_capacity(model, plan, hyper.capacity_factor)
+        # the run's --capacity-factor, else the one the plan was priced with
+        self.capacity = self._install_capacity(
+            model, plan, hyper.capacity_factor if hyper.capacity_factor is not None
+            else plan.capacity_factor)
         self.experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         self.model = model
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and plan.mesh["dp"] > 1 \

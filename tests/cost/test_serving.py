@@ -80,6 +80,36 @@ def test_cache_splits_by_kv_heads_and_replicates_beyond_them(llama8b) -> None:
     assert caches[16] == pytest.approx(caches[1] / 8, rel=1e-5)
 
 
+def test_latent_attention_caches_its_latent_whole_on_every_rank() -> None:
+    """DeepSeek-V2-Lite (MLA): a token's cache is one latent (512) and one rotary key (64) per
+    layer, not 16 heads' keys (192) and values (128): 8.9x less. Tensor parallelism splits
+    the heads but not the latent, so each rank holds it whole. Every step re-expands the
+    cached latents (the up-projection over the whole context), which costs compute that
+    grows with the context."""
+    from autopar.cost.decode import block_decode_cost
+    from autopar.ir.latent import decompressed_cache_width, latent_cache_width
+
+    graph = autopar.capture("deepseek-v2-lite", seq=1024)
+    cfg = graph.model_config
+    width = latent_cache_width(cfg)
+    assert width == 512 + 64 and decompressed_cache_width(cfg) / width == pytest.approx(8.89,
+                                                                                      rel=1e-3)
+    whole = cfg["num_hidden_layers"] * width * 2 * 8 * 1024  # bf16, 8 sequences of 1024
+    for tp in (1, 2):
+        plan = autopar.plan(graph, devices=tp, cluster="h100-80g", task="infer",
+                            global_batch=8, constraints={"tp": tp, "pp": 1})
+        assert plan.predicted.kv_cache_bytes == pytest.approx(whole, rel=1e-5)
+    cluster = load_cluster("h100-80g")
+    config = resolve_precision(ParallelConfig(), cluster)
+    layer = graph.layer_blocks[1]
+    short = block_decode_cost(graph, layer.index, config, cluster, 8, 128)
+    long = block_decode_cost(graph, layer.index, config, cluster, 8, 1024)
+    heads = cfg["num_attention_heads"]
+    expand_flops = 2 * 8 * (1024 - 128) * cfg["kv_lora_rank"] * heads * (
+        cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+    assert long.compute_s - short.compute_s > expand_flops / cluster.device.flops_for("bf16")
+
+
 def test_prefill_runs_forward_collectives_only(llama8b) -> None:
     """A forward-only pass all-reduces after each row-parallel linear, not for the backward's
     column inputs: half of what a training step's forward and backward price."""

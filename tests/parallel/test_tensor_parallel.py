@@ -248,9 +248,10 @@ def test_kv_head_replication_keeps_a_lora_update() -> None:
 
 
 def test_sequence_parallel_refuses_a_split_region_holding_a_whole_module() -> None:
-    """Tiny DeepSeek-V2 under tp2 with sequence parallelism: its MoE block splits the shared
-    expert but keeps the router and experts whole, which cannot take the gathered sequence;
-    the layout refuses in one line naming the module and the fix (without sp it runs:
+    """Tiny DeepSeek-V2 under tp2 with sequence parallelism: its MLA attention splits by heads
+    but keeps the latent down-projection whole, and its MoE block splits the shared expert but
+    keeps the router and experts whole; neither whole module can take the gathered sequence.
+    The layout refuses in one line naming the module and the fix (without sp it runs:
     tests/train/test_router_loss.py)."""
     from autopar.models import build_model
     from autopar.parallel.tensor_parallel import tensor_parallel_layout
@@ -260,6 +261,7 @@ def test_sequence_parallel_refuses_a_split_region_holding_a_whole_module() -> No
                         constraints=dict(tp=2, dp=1, ep=1, pp=1, cp=1, microbatch_size=1,
                                          sequence_parallel=True, precision="fp32"))
     model = build_model("tiny-deepseek-v2", device="meta")
-    with pytest.raises(autopar.PlanError, match=r"keeps model\.layers\.1\.mlp\.\w+ whole.*"
+    with pytest.raises(autopar.PlanError, match=r"keeps model\.layers\.\d\.(mlp\.\w+|self_attn\."
+                                                r"kv_a_proj_with_mqa) whole.*"
                                                 r"sequence_parallel=false"):
         tensor_parallel_layout(model, plan)

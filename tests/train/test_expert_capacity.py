@@ -100,15 +100,21 @@ def one_process() -> tuple:
                                   dict(tp=2, dp=1, ep=1, pp=1, cp=1, sequence_parallel=True)],
                          ids=["ep2", "dp2-zero1", "tp2-sp"])
 def test_capacity_under_drawn_plans_equals_one_process(pins: dict, one_process) -> None:
+    """The one-process reference runs with --capacity-factor; the ep2 plan is searched with
+    the capacity factor as a constraint and runs without the flag: the generated program
+    drops at the plan's factor."""
     plain, (ref_losses, _, ref_grads, ref_record) = one_process
     # copies were dropped, and that changed training
     assert 0 < ref_record["expert_dropped_share"] < 1
     assert abs(ref_losses[-1] - plain[-1]) > 1e-4
-    plan = mixtral_plan(2, microbatch_size=1, **pins)
+    from_plan = pins.get("ep", 1) > 1
+    plan = mixtral_plan(2, microbatch_size=1, **pins, **(HYPER if from_plan else {}))
     for axis, degree in pins.items():
         assert plan.mesh.get(axis, 1) == degree
+    assert plan.capacity_factor == (HYPER["capacity_factor"] if from_plan else None)
     losses, _, grads, record = run_ranks(describe_source("tiny-mixtral"), plan, STEPS,
-                                         first_grads=True, hyper=HYPER, probe=last_record)
+                                         first_grads=True, hyper=None if from_plan else HYPER,
+                                         probe=last_record)
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     assert record["expert_dropped_share"] == pytest.approx(ref_record["expert_dropped_share"])
     assert not differing_gradients(ref_grads, grads)
@@ -131,6 +137,47 @@ def test_dropped_copies_are_not_sent_under_expert_parallelism() -> None:
     *_, (sent, kept, dropped) = run_ranks(describe_source("tiny-mixtral"), plan, 1,
                                           hyper=HYPER, probe=_sent_and_kept)
     assert dropped > 0 and sent == kept
+
+
+def _parallelized_drops(rank: int, port: int, out, world: int, plan_dict: dict) -> None:
+    from tests.fixtures.harness import run_in_group
+
+    run_in_group(rank, port, out, world, _drops_under, plan_dict)
+
+
+def _drops_under(plan_dict: dict) -> list:
+    """The parallelized model's output and dropped copies on one batch (your own loop)."""
+    import autopar
+    from autopar.plan import Plan
+    from autopar.train.parallelize import CAPACITY_ATTR
+
+    torch.manual_seed(0)
+    model = build_from_source(describe_source("tiny-mixtral"), 0, "cpu")
+    model = autopar.parallelize(model, Plan.from_dict(plan_dict))
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    logits = model(ids).logits
+    counter = getattr(model, CAPACITY_ATTR, None)
+    routed, dropped = counter.take() if counter is not None else (0, 0)
+    return [logits.detach().tolist(), routed, dropped]
+
+
+@pytest.mark.dist
+def test_parallelize_drops_at_the_plans_capacity() -> None:
+    """autopar.parallelize installs the plan's capacity in your own loop: under ep2 the logits
+    and the dropped copies equal one process with the same plan's factor, and differ from
+    dropless routing."""
+    from tests.fixtures.harness import spawn_ranks
+
+    capped = mixtral_plan(1, microbatch_size=1, **HYPER)
+    (single,) = spawn_ranks(_parallelized_drops, 1, (1, capped.to_dict()))
+    (dropless,) = spawn_ranks(_parallelized_drops, 1, (1, mixtral_plan(1, microbatch_size=1)
+                                                        .to_dict()))
+    assert single[2] > 0 and dropless[2] == 0
+    assert not torch.allclose(torch.tensor(single[0]), torch.tensor(dropless[0]), atol=1e-4)
+    plan = mixtral_plan(2, ep=2, dp=1, tp=1, pp=1, cp=1, microbatch_size=1, **HYPER)
+    (split,) = spawn_ranks(_parallelized_drops, 2, (2, plan.to_dict()))
+    assert torch.allclose(torch.tensor(split[0]), torch.tensor(single[0]), atol=1e-5)
+    assert split[2] == single[2]  # every rank routes the same two sequences here
 
 
 @pytest.mark.dist
