@@ -46,3 +46,23 @@ def test_compile_emits_and_reads_a_megatron_command(tmp_path) -> None:
                     "8", "--constraints", str(art / "megatron.sh"), "--out",
                     str(tmp_path / "again"), "-q")
     assert again.returncode == 0, again.stderr
+
+
+def test_a_capacity_factor_crosses_to_megatron_and_back() -> None:
+    """A plan searched with capacity_factor writes Megatron-Core's capacity flags (dropping in
+    sequence order, as autopar's runtime does), and reading those arguments pins the factor
+    again."""
+    import shlex
+
+    from autopar.plan.megatron import megatron_args
+
+    graph = autopar.capture("tiny-mixtral", seq=32)
+    plan = autopar.plan(graph, devices=2, global_batch=4, cluster="a100-80g",
+                        constraints=dict(ep=2, capacity_factor=1.25, precision="fp32"))
+    args = megatron_args(plan)
+    at = args.index("--moe-expert-capacity-factor")
+    assert args[at + 1] == "1.25" and "position" in args
+    assert constraints_from_megatron(shlex.join(args))["capacity_factor"] == 1.25
+    dropless = autopar.plan(graph, devices=2, global_batch=4, cluster="a100-80g",
+                            constraints=dict(ep=2, precision="fp32"))
+    assert "--moe-expert-capacity-factor" not in megatron_args(dropless)
