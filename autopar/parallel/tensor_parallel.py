@@ -251,6 +251,7 @@ def tensor_parallel_layout(model: nn.Module, plan: Plan, *, traced: bool = False
              if split.get(p) == "col"}
     layout = TensorParallelLayout(traced=traced)
     if traced:
+        _check_stage_regions(model, plan, split)
         layout.leaves = sorted(split)  # a stage may hold any of them as a graph module
         layout.fused = dict(sorted(fused.items()))
     else:
@@ -453,6 +454,28 @@ def _sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str
         else:
             styles[name] = StyleSpec("Relayout", inputs=(SHARD_SEQ, REPLICATE), local_input=True)
     return _in_model_order(model, styles)
+
+
+def _check_stage_regions(model: nn.Module, plan: Plan, split: dict[str, str]) -> None:
+    """Refuse, inside pipeline stages, a region that splits some of its modules and keeps
+    another whole (besides norms): a traced stage computes the region on DTensors, which the
+    whole module's plain weights cannot join (a router and experts beside a split shared
+    expert, latent attention's down-projection beside its split heads). The search keeps such
+    regions whole under pipelines."""
+    layers = [n for n in layer_names(plan) if n in dict(model.named_modules())]
+    covered = [*split, *_head_split(model, plan)]
+    for region in _regions(model, layers, split):
+        if not any(_under(p, [region]) for p in split):
+            continue
+        for path, module in model.get_submodule(region).named_modules():
+            full = f"{region}.{path}" if path else region
+            if list(module.children()) or not _has_params(module) or _is_norm(module):
+                continue
+            if _under(full, covered) is None:
+                raise PlanError(f"the plan splits some of {region}'s modules inside pipeline "
+                                f"stages but keeps {full} whole, which a traced stage cannot "
+                                f"run; re-plan (the search keeps such a region whole under "
+                                f"pipelines) or pin pp=1")
 
 
 def _check_whole_parts(model: nn.Module, region: str, split: dict[str, str],

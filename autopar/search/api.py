@@ -25,7 +25,7 @@ from autopar.search.parallelisms import choose_parallelisms, registered_pins
 from autopar.search.placements import placements
 from autopar.search.planner import SearchResult, search
 from autopar.search.serving import max_concurrency, serving_plan_search
-from autopar.search.sharding import solve_layouts
+from autopar.search.sharding import solve_layouts, staged_restrictions
 from autopar.search.space import model_facts
 from autopar.search.spec import PlanSpec, Progress, SearchOptions, SearchProblem
 from autopar.search.verify_tp import model_and_inputs, tensor_parallel_refusal
@@ -125,14 +125,17 @@ def plan_from_spec(spec: PlanSpec) -> Plan:
         _capacity_pins(pins, facts, task, engine)
     tps = [t for t in range(2, devices + 1) if devices % t == 0 and facts.tp_ok(t)
            and pins.get("tp", t) == t]
+    staged = None
     if engine == "autopar":
         layouts, sharding = solve_layouts(graph, tps, hw, precision.compute,
                                           decode=task == "infer")
+        if task != "infer" and staged_restrictions(graph):
+            staged, _ = solve_layouts(graph, tps, hw, precision.compute, staged=True)
     else:  # Megatron, DeepSpeed and torchtitan split every block as Megatron does
         layouts, sharding = {}, []
     problem = SearchProblem(graph=graph, facts=facts, cluster=hw, devices=devices, task=task,
                             global_batch=global_batch, pins=pins, capacity=capacity,
-                            defaults=defaults, layouts=layouts)
+                            defaults=defaults, layouts=layouts, staged_layouts=staged)
     if task == "infer":
         result, global_batch = serving_plan_search(problem, spec.max_token_latency_ms,
                                                    spec.progress)

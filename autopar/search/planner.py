@@ -83,7 +83,8 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # model chunks per device the interleaved sche
 
 def candidate_groups(graph: Graph, facts: ModelFacts, cluster: Cluster, devices: int,
                      task: str, global_batch: int, pins: dict, allow_cross_node_tp: bool,
-                     defaults: dict, layouts: dict[int, TPLayouts] | None = None
+                     defaults: dict, layouts: dict[int, TPLayouts] | None = None,
+                     staged_layouts: dict[int, TPLayouts] | None = None
                      ) -> list[CandidateGroup]:
     """One group per mesh (with its cp mode) x micro-batch x sequence parallelism, bounded by
     :func:`pipelined_work_lower_bound`; :func:`_knob_variants` expands one into candidates."""
@@ -98,7 +99,8 @@ def candidate_groups(graph: Graph, facts: ModelFacts, cluster: Cluster, devices:
             m = replica_batch // mb
             if pins.get("microbatch_size", mb) != mb or pins.get("num_microbatches", m) != m:
                 continue
-            tp_layouts = (layouts or {}).get(mesh.tp)
+            chosen = staged_layouts if mesh.pp > 1 and staged_layouts is not None else layouts
+            tp_layouts = (chosen or {}).get(mesh.tp)
             sp_ok = sequence_parallel_possible(graph, facts, tp_layouts, mesh.tp)
             if (not sp_ok and pins.get("sequence_parallel")
                     and sequence_parallel_possible(graph, facts, None, mesh.tp)):
@@ -218,7 +220,8 @@ def search(problem: SearchProblem, options: SearchOptions | None = None) -> Sear
     result = None
     for cross_node in (False, True):
         groups = candidate_groups(graph, facts, cluster, devices, task, global_batch, pins,
-                                  cross_node, defaults or {}, layouts)
+                                  cross_node, defaults or {}, layouts,
+                                  problem.staged_layouts)
         # candidates in lower-bound order; a group is priced only when its bound is reached
         cands = BestFirst(groups, lambda g: _knob_variants(
             graph, cluster, g.base, g.payload, facts, task, pins, rejected, capacity, reasons))

@@ -82,8 +82,28 @@ def kv_projections(graph: Graph, block: Block, tp: int) -> dict[str, int]:
     return out
 
 
-def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = None
-                ) -> list[str]:
+def moe_region_linears(graph: Graph, block: Block) -> set[str]:
+    """Linears inside the module that holds a router (a shared expert beside the routed
+    ones): a traced pipeline stage runs a region either split or whole, and the router and
+    experts stay whole."""
+    regions = {graph.op(n).module_path.rpartition(".")[0] for n in block.nodes
+               if graph.op(n).kind is OpKind.MOE_ROUTER}
+    return {n for n in block.nodes if graph.op(n).kind is OpKind.LINEAR and any(
+        graph.op(n).module_path.startswith(r + ".") for r in regions if r)}
+
+
+def staged_restrictions(graph: Graph) -> bool:
+    """Whether traced pipeline stages need layouts of their own: they run neither a
+    broadcast split (latent attention's rotary key) nor a split shared expert beside whole
+    routed experts (the stage's DTensor arithmetic would mix in the whole modules' plain
+    tensors), so their candidates take layouts solved without them."""
+    first = {b.type_id: b for b in reversed(graph.blocks)}
+    return any(moe_region_linears(graph, b) or any(broadcast_split(graph, n) for n in b.nodes)
+               for b in first.values())
+
+
+def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = None,
+                staged: bool = False) -> list[str]:
     op = graph.op(name)
     if op.kind is OpKind.LINEAR and op.params and any(is_added_param(p) for p in op.params):
         leaf = op.params[0].rpartition(".")[2]
@@ -105,7 +125,7 @@ def _strategies(graph: Graph, name: str, tp: int, kv: dict[str, int] | None = No
         if op.input_meta and op.input_meta[0].shape[-1] % tp == 0:
             out.append("W")
         return out
-    if broadcast_split(graph, name):
+    if not staged and broadcast_split(graph, name):
         # latent attention's shared rotary key, expanded to each rank's own heads (B): its
         # gradient summed over the ranks in the backward
         return ["R", "S", "B"]
@@ -211,7 +231,8 @@ def node_options(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: s
 
 
 def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: str = "bf16",
-                time_limit_s: float = 5.0, decode: bool = False) -> ShardingSolution:
+                time_limit_s: float = 5.0, decode: bool = False, staged: bool = False
+                ) -> ShardingSolution:
     """The cheapest legal sharding of ``block`` at degree ``tp`` (proved optimal by CP-SAT).
     With ``decode`` the objective is one serving decoding step instead of a training step
     (:func:`_decode_op_seconds`; no backward, so no input all-reduces)."""
@@ -229,9 +250,10 @@ def solve_block(graph: Graph, block: Block, tp: int, cluster: Cluster, dtype: st
         return int(round(axis_collective_time(kind, nbytes, config, "tp", cluster) * ns))
 
     kv = kv_projections(graph, block, tp)
+    whole = moe_region_linears(graph, block) if staged else set()
     for name in block.nodes:
         op = graph.op(name)
-        options = _strategies(graph, name, tp, kv)
+        options = ["R"] if name in whole else _strategies(graph, name, tp, kv, staged)
         for s in options:
             x[name, s] = model.NewBoolVar(f"{name}_{s}")
             seconds = (_decode_op_seconds(graph, op, s, tp, cluster, dtype, kv.get(name, 1))
@@ -320,10 +342,12 @@ def _adapter_ties(graph: Graph, block: Block) -> list[tuple[str, str, str]]:
 
 
 def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "bf16",
-                  decode: bool = False) -> tuple[dict[int, TPLayouts], list[ShardingSolution]]:
+                  decode: bool = False, staged: bool = False
+                  ) -> tuple[dict[int, TPLayouts], list[ShardingSolution]]:
     """Solve every block type at every degree in ``tps`` (> 1): the layouts per degree, for
     ``ParallelConfig.tp_layouts``, and the solver's reports; ``decode`` solves for a
-    serving decoding step (task="infer")."""
+    serving decoding step (task="infer"); ``staged`` solves for traced pipeline stages
+    (:func:`staged_restrictions`)."""
     solutions = []
     layouts: dict[int, TPLayouts] = {}
     first_of_type: dict[int, Block] = {}
@@ -334,7 +358,7 @@ def solve_layouts(graph: Graph, tps: list[int], cluster: Cluster, dtype: str = "
             continue
         by_type = []
         for block in first_of_type.values():
-            sol = solve_block(graph, block, tp, cluster, dtype, decode=decode)
+            sol = solve_block(graph, block, tp, cluster, dtype, decode=decode, staged=staged)
             by_type.append((block.type_id, BlockLayout(tuple(sol.column), tuple(sol.row),
                                                        tuple(sol.sharded), tuple(sol.kv))))
             solutions.append(sol)

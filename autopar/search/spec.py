@@ -52,7 +52,8 @@ class SearchProblem:
     ``pins`` fixes any of pp, dp, tp, ep, microbatch_size, num_microbatches, zero_stage,
     recompute, offload, schedule, sequence_parallel; ``defaults`` sets the remaining
     ParallelConfig fields (precision, engine, vocab_parallel); ``layouts`` are the per-op
-    tensor-parallel layouts per degree (:func:`autopar.search.sharding.solve_layouts`);
+    tensor-parallel layouts per degree (:func:`autopar.search.sharding.solve_layouts`), and
+    ``staged_layouts`` those of candidates with pipeline stages where these differ;
     ``capacity`` is the bytes one device may hold.
     """
 
@@ -66,6 +67,8 @@ class SearchProblem:
     capacity: float
     defaults: dict = field(default_factory=dict)
     layouts: dict[int, TPLayouts] | None = None
+    # the layouts of candidates with pipeline stages, where they differ (None: ``layouts``)
+    staged_layouts: dict[int, TPLayouts] | None = None
 
 
 @dataclass(frozen=True)

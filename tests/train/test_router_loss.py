@@ -45,6 +45,21 @@ def test_aux_loss_equals_hugging_faces(name: str) -> None:
     assert int(terms.load.sum()) == 2 * SEQ * model.config.num_hidden_layers * spec.top_k
 
 
+def test_a_split_beside_a_whole_module_is_refused_inside_pipeline_stages() -> None:
+    """DeepSeek-V2-Lite's layout (MLA split by heads beside its whole down-projection) copied
+    onto a pp2 x tp2 plan: traced stages cannot run it, so the layout is refused in one line
+    naming the module and the way out."""
+    from autopar.models import build_model
+    from autopar.parallel.tensor_parallel import tensor_parallel_layout
+
+    plan = with_full_size_layout(_deepseek_plan(4, pp=2, tp=2, dp=1, ep=1, cp=1,
+                                                sequence_parallel=False), "tiny-deepseek-v2")
+    model = build_model("tiny-deepseek-v2", device="meta")
+    with pytest.raises(PlanError, match=r"keeps model\.layers\.\d\.\w+\.\w+ whole.*pp=1") as info:
+        tensor_parallel_layout(model, plan, traced=True)
+    assert "\n" not in str(info.value)
+
+
 def test_aux_loss_of_deepseek_v2_equals_hugging_faces_function() -> None:
     """DeepSeek-V2 (MLA, shared experts, a dense first layer): Hugging Face's model returns its
     router logits but computes no auxiliary loss, so the term is checked against Hugging
@@ -162,13 +177,15 @@ def deepseek_one_process() -> tuple:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("pins", [dict(pp=2, ep=2, tp=1), dict(tp=2, ep=2, pp=1,
-                                                                sequence_parallel=False)],
-                         ids=["pp2 x ep2", "tp2 x ep2"])
+                                                                sequence_parallel=False),
+                                  dict(pp=2, tp=2, ep=1, sequence_parallel=False)],
+                         ids=["pp2 x ep2", "tp2 x ep2", "pp2 x tp2"])
 def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict,
                                                            deepseek_one_process) -> None:
     """Tiny DeepSeek-V2 (MLA attention, a shared expert, a dense first layer) under plans drawn
     by the search: pp2 x ep2 (Hugging Face collects its router logits with a hook, so they leave
-    the stages as model outputs and are relayed to the last one) and tp2 x ep2 with the layout
+    the stages as model outputs and are relayed to the last one), pp2 x tp2 (traced stages: the
+    regions holding a whole module stay whole) and tp2 x ep2 with the layout
     the planner chooses for DeepSeek-V2-Lite (MLA split by heads: q and kv_b column-parallel,
     o_proj row-parallel, the latent down-projection whole and its shared rotary key's gradient
     summed over tp; the dense and shared-expert MLPs split). Losses with the router terms, the
@@ -176,7 +193,14 @@ def test_deepseek_v2_with_router_losses_equals_one_process(pins: dict,
     ref_losses, _, ref_grads, ref_record = deepseek_one_process
     parallel = _deepseek_plan(4, dp=1, cp=1, **pins)
     assert all(parallel.mesh[a] == pins[a] for a in ("pp", "ep", "tp"))
-    if pins["tp"] > 1:
+    if pins["tp"] > 1 and pins["pp"] > 1:
+        # traced stages: the search keeps regions with a whole module whole (MLA's attention,
+        # the MoE block with its shared expert) and splits the dense first layer's MLP
+        params = parallel.placements["params"]
+        assert params["model.layers.0.mlp.gate_proj.weight"] == "Shard(0)@tp"
+        assert params["model.layers.1.mlp.shared_experts.gate_proj.weight"] == "Replicate"
+        assert params["model.layers.1.self_attn.kv_b_proj.weight"] == "Replicate"
+    elif pins["tp"] > 1:
         parallel = with_full_size_layout(parallel, "tiny-deepseek-v2")
         params = parallel.placements["params"]
         attention = "model.layers.1.self_attn."
