@@ -15,7 +15,7 @@ from autopar.cost.comm import p2p_time
 from autopar.cost.config import ParallelConfig, TPLayouts
 from autopar.cost.estimate import Estimate, p2p_hidden_share
 from autopar.cost.hardware import Cluster
-from autopar.cost.tp_layout import tp_layout
+from autopar.cost.tp_layout import broadcast_split, tp_layout
 from autopar.ir.graph import Graph
 from autopar.plan.plan import Predicted, round6
 from autopar.search.recompute import MODES
@@ -277,7 +277,9 @@ def explain(graph: Graph, cluster: Cluster, config: ParallelConfig, tps: list[in
         chosen_of = {}
         if config.tp > 1:
             chosen_of = {**{n: "S" for n in layout.sharded}, **{n: "C" for n in layout.column},
-                         **{n: "W" for n in layout.row}, **{n: "G" for n in layout.kv}}
+                         **{n: "W" for n in layout.row}, **{n: "G" for n in layout.kv},
+                         **{n: "B" for n in layout.sharded if broadcast_split(graph, n)
+                            and graph.op(n).inputs[0] not in layout.sharded}}
         prefix = block.name + "."
         nodes = {}
         for name, costs in node_options(graph, block, config.tp, cluster,
