@@ -59,7 +59,7 @@ ROWS: list[Row] = [
         "autopar: error: Invalid value for '--devices': 0 is not in the range x>=1. (see 'autopar compile --help')"),
     Row('compile tiny-llama --devices 4 --constraints nope=1 --out new',
         'an unknown constraint',
-        "autopar: error: constraints: unknown constraint 'nope'; use pp, dp, cp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute, offload, schedule, sequence_parallel, precision, engine, vocab_parallel, model, cp_mode, stage_layers, stages"),
+        "autopar: error: constraints: unknown constraint 'nope'; use pp, dp, cp, tp, ep, microbatch_size, num_microbatches, zero_stage, virtual_stages, recompute, offload, schedule, sequence_parallel, precision, engine, vocab_parallel, model, cp_mode, stage_layers, stages, capacity_factor"),
     Row('compile tiny-llama --devices 4 --cluster tpu-v9 --out new',
         'an unknown cluster',
         "autopar: error: unknown cluster 'tpu-v9': use one of a100-40g, a100-80g, ascend-910b, b200, cpu, h100-80g, h200, v100-16g or a profile YAML written by `autopar profile`"),
