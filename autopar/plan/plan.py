@@ -161,6 +161,8 @@ class Plan:
         d = {"version": d.pop("version"), **d}
         if not d["parallelisms"]:
             del d["parallelisms"]  # plans without them read as before
+        if d["capacity_factor"] is None:
+            del d["capacity_factor"]  # dropless: the files of dropless plans stay as they were
         return d
 
     def save(self, path: str | Path) -> Path:
