@@ -56,17 +56,20 @@ def test_an_encoder_decoder_config_is_refused_in_one_line(tmp_path) -> None:
 
 def test_compile_replans_without_sequence_parallelism_the_runtime_cannot_lay_out(tmp_path
                                                                                 ) -> None:
-    """Tiny DeepSeek-V2 on tp2: the search picks sequence parallelism, which the runtime cannot
-    lay out over its MoE block (a whole router beside a split shared expert); compile says so
-    and plans again without it. Pinned by the user, it is refused in one line, nothing written."""
+    """DeepSeek-V2-Lite on tp=8: the search picks sequence parallelism, which the runtime cannot
+    lay out over MLA's split heads beside its whole down-projection (nor over the MoE block's
+    whole router beside its split shared expert); compile says so and plans again without it.
+    Pinned by the user (tiny DeepSeek-V2), it is refused in one line, nothing written."""
     out = tmp_path / "art"
-    base = ["compile", "tiny-deepseek-v2", "--devices", "2", "--global-batch", "4", "--seq",
-            "32"]
-    result = cli_here(*base, "--constraints", "tp=2,precision=fp32", "--out", str(out))
+    result = cli_here("compile", "deepseek-v2-lite", "--devices", "8", "--global-batch", "8",
+                      "--constraints", "tp=8", "--out", str(out), "-q")
     assert result.returncode == 0, result.stderr
+    assert "keeps model.layers.0.self_attn.kv_a_proj_with_mqa whole" in result.stderr
     assert "planning without sequence parallelism" in result.stderr
     plan = Plan.load(out / "plan.yaml")
-    assert plan.mesh["tp"] == 2 and not plan.sequence_parallel
+    assert plan.mesh["tp"] == 8 and not plan.sequence_parallel
+    base = ["compile", "tiny-deepseek-v2", "--devices", "2", "--global-batch", "4", "--seq",
+            "32"]
     never = tmp_path / "never"
     _assert_one_line_error(cli_here(*base, "--constraints",
                                     "tp=2,precision=fp32,sequence_parallel=true",
