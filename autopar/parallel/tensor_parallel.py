@@ -467,15 +467,24 @@ def _check_stage_regions(model: nn.Module, plan: Plan, split: dict[str, str]) ->
     for region in _regions(model, layers, split):
         if not any(_under(p, [region]) for p in split):
             continue
-        for path, module in model.get_submodule(region).named_modules():
-            full = f"{region}.{path}" if path else region
-            if list(module.children()) or not _has_params(module) or _is_norm(module):
-                continue
-            if _under(full, covered) is None:
-                raise PlanError(f"the plan splits some of {region}'s modules inside pipeline "
-                                f"stages but keeps {full} whole, which a traced stage cannot "
-                                f"run; re-plan (the search keeps such a region whole under "
-                                f"pipelines) or pin pp=1")
+        full = _whole_module(model, region, covered)
+        if full is not None:
+            raise PlanError(f"the plan splits some of {region}'s modules inside pipeline "
+                            f"stages but keeps {full} whole, which a traced stage cannot "
+                            f"run; re-plan (the search keeps such a region whole under "
+                            f"pipelines) or pin pp=1")
+
+
+def _whole_module(model: nn.Module, region: str, covered: list[str]) -> str | None:
+    """The first module of ``region`` with weights of its own (not a norm) that no path of
+    ``covered`` holds, or None."""
+    for path, module in model.get_submodule(region).named_modules():
+        full = f"{region}.{path}" if path else region
+        if list(module.children()) or not _has_params(module) or _is_norm(module):
+            continue
+        if _under(full, covered) is None:
+            return full
+    return None
 
 
 def _check_whole_parts(model: nn.Module, region: str, split: dict[str, str],
@@ -485,15 +494,12 @@ def _check_whole_parts(model: nn.Module, region: str, split: dict[str, str],
     module (a MoE router or its experts beside a split shared expert) cannot compute with."""
     if not kinds:
         return
-    for path, module in model.get_submodule(region).named_modules():
-        full = f"{region}.{path}" if path else region
-        if list(module.children()) or not _has_params(module) or _is_norm(module):
-            continue
-        if full not in split and _under(full, list(split)) is None:
-            raise SequenceParallelUnsupported(
-                f"sequence parallelism in {region}: the plan splits some of its "
-                f"modules but keeps {full} whole, which cannot take the gathered "
-                f"sequence; re-plan with constraints sequence_parallel=false")
+    full = _whole_module(model, region, list(split))
+    if full is not None:
+        raise SequenceParallelUnsupported(
+            f"sequence parallelism in {region}: the plan splits some of its modules but keeps "
+            f"{full} whole, which cannot take the gathered sequence; re-plan with constraints "
+            f"sequence_parallel=false")
 
 
 def _stage_sequence_parallel_styles(model: nn.Module, plan: Plan, split: dict[str, str],

@@ -72,6 +72,14 @@ def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def refuse_split_sequences(mesh: dict[str, int], remedy: str) -> None:
+    """Capacity is counted per whole sequence inside one module tree: refuse pipeline stages
+    and context parallelism, in one line ending with ``remedy``."""
+    if mesh["pp"] > 1 or mesh.get("cp", 1) > 1:
+        raise PlanError(f"expert capacity is counted per whole sequence inside one module "
+                        f"tree: re-plan with constraints pp=1,cp=1, or {remedy}")
+
+
 def install_capacity(model: nn.Module, capacity_factor: float, experts: int,
                      top_k: int) -> CapacityCounter:
     """Drop the token copies past each expert's capacity in every MoE layer of ``model`` (after

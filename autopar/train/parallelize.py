@@ -41,7 +41,11 @@ from autopar.peft import applied_method, apply_peft
 from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.plan.tp_entries import FIX
-from autopar.train.expert_capacity import CapacityCounter, install_capacity
+from autopar.train.expert_capacity import (
+    CapacityCounter,
+    install_capacity,
+    refuse_split_sequences,
+)
 from autopar.train.program_calls import pipeline_spec, replicate
 from autopar.train.router_loss import routing_shape
 
@@ -122,9 +126,8 @@ def parallelize(model: nn.Module, plan: Plan, device: str = "cpu", *,
     Trainer does; the returned module's :data:`CAPACITY_ATTR` counts them.
     """
     refuse_unsupported(plan)
-    if plan.capacity_factor is not None and (plan.mesh["pp"] > 1 or plan.mesh["cp"] > 1):
-        raise PlanError("expert capacity is counted per whole sequence inside one module tree: "
-                        "re-plan with constraints pp=1,cp=1, or without capacity_factor")
+    if plan.capacity_factor is not None:
+        refuse_split_sequences(plan.mesh, "without capacity_factor")
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan.check_world_size(world)
     if plan.mesh["pp"] > 1 and (example is None or loss_fn is None):

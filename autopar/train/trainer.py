@@ -43,7 +43,11 @@ from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.train.autocast_ops import register_grouped_mm_autocast
 from autopar.train.checkpoint import load_checkpoint, save_checkpoint
-from autopar.train.expert_capacity import CapacityCounter, install_capacity
+from autopar.train.expert_capacity import (
+    CapacityCounter,
+    install_capacity,
+    refuse_split_sequences,
+)
 from autopar.train.loss import (
     IGNORE_INDEX,
     classification_loss,
@@ -285,10 +289,7 @@ class Trainer:
         """Expert capacity on the parallelized model (None: dropless routing)."""
         if capacity_factor is None:
             return None
-        if plan.mesh["pp"] > 1 or plan.mesh["cp"] > 1:
-            raise PlanError("expert capacity is counted per whole sequence inside one module "
-                            "tree: re-plan with constraints pp=1,cp=1, or drop "
-                            "--capacity-factor")
+        refuse_split_sequences(plan.mesh, "drop --capacity-factor")
         return install_capacity(model, capacity_factor, *self.routing)
 
     def _capacity_record(self) -> dict:
