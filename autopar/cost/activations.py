@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from autopar.capture.op_costs import packet_name
 from autopar.cost.compute import kernel_dtype
 from autopar.cost.config import TPLayouts
+from autopar.cost.fused_regions import fused_regions
 from autopar.cost.recompute_policy import RECOMPUTE_MODES, op_policy_saved
 from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
 from autopar.ir.graph import Block, Graph, OpKind, OpNode
@@ -111,7 +112,23 @@ def requires_grad(graph: Graph, frozen_count: bool = True) -> set[str]:
 
 
 def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTensor]:
-    """What ``op`` saves for its backward (activations only; parameters are not counted)."""
+    """What ``op`` saves for its backward (activations only; parameters are not counted,
+    nor views of them: a grouped expert matmul reads its weights through a transpose)."""
+    return [t for t in _saved_tensors(graph, op, grad_ops)
+            if not parameter_view(graph, t.root)]
+
+
+def parameter_view(graph: Graph, name: str) -> bool:
+    """Whether ``name`` is a view of a parameter (an op with no activation input that reads
+    a parameter, such as the transpose of stacked expert weights): its storage is the
+    weight's, which the memory model counts with the parameters."""
+    if not graph.has_op(name):
+        return False
+    op = graph.op(name)
+    return op.kind is OpKind.VIEW and not op.inputs and bool(op.params)
+
+
+def _saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTensor]:
     if op.name not in grad_ops or op.kind is OpKind.VIEW:
         return []
     name = packet_name(op.target)
@@ -133,6 +150,12 @@ def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTen
         lse = q.numel // max(q.shape[-1], 1) * 4  # fp32 log-sum-exp per query row
         out.append(SavedTensor(op.name + ":lse", 0, lse, op.name))
         return out
+    if name == "index":
+        # the backward scatters the gradient by the indices into zeros of the input's shape:
+        # it keeps the indices and the input's sizes, not the input (pytorch/pytorch
+        # tools/autograd/derivatives.yaml, index.Tensor: self.sym_sizes(), self.options())
+        return [_saved(graph, op, i, src) for i, src in act_inputs
+                if not _floating(graph, src)]
     if name in _SAVE_MASK_ONLY:  # the backward only routes gradients through the mask
         return [_saved(graph, op, i, src) for i, src in act_inputs
                 if i < len(op.input_meta) and op.input_meta[i].dtype == "bool"]
@@ -147,6 +170,15 @@ def saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTen
                 or op.inputs[1 - i] in grad_ops]
     # default (linear, matmul, norms, mul, gelu, silu, embedding indices, ...): tensor inputs
     return [_saved(graph, op, i, src) for i, src in act_inputs]
+
+
+def _floating(graph: Graph, src: str) -> bool:
+    """Whether the value ``src`` holds floating-point numbers (not indices or a mask)."""
+    if graph.has_op(src):
+        meta = graph.op(src).output_meta
+        return bool(meta) and meta[0].dtype.startswith(("float", "bfloat", "half"))
+    meta = next((inp.meta for inp in graph.inputs if inp.name == src), None)
+    return meta is not None and meta.dtype.startswith(("float", "bfloat", "half"))
 
 
 def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
@@ -212,6 +244,7 @@ def block_activation_bytes(
     scale: float = 1.0,
     layouts: TPLayouts | None = None,
     fp8: bool = False,
+    fused_kernels: bool = False,
 ) -> ActivationBreakdown:
     """Activation bytes of ``block`` per micro-batch on one device.
 
@@ -221,23 +254,29 @@ def block_activation_bytes(
     only FP8 linears save is kept in FP8, one byte per element: Transformer Engine's linears
     save their quantized input with its column-wise data only, for the weight-gradient GEMM
     (transformer_engine/pytorch/module/linear.py, ``inputmat.update_usage(rowwise_usage=False,
-    columnwise_usage=True)``); an input another op also saves stays in bf16.
+    columnwise_usage=True)``); an input another op also saves stays in bf16. With
+    ``fused_kernels`` (an engine that runs each norm, rotary embedding and gated activation
+    as one kernel, :mod:`autopar.cost.fused_regions`), a region keeps the inputs it reads
+    from outside, never its intermediates: a fused RMSNorm its input (not the fp32 upcast
+    and the normalized copy), a fused SwiGLU the first projection's output (not the
+    activation's output).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
     chosen = layouts.get(block.type_id) if layouts is not None else None
-    key = ("activations", block.index, tp, sequence_parallel, recompute, chosen, fp8)
+    key = ("activations", block.index, tp, sequence_parallel, recompute, chosen, fp8,
+           fused_kernels)
     memo = _MEMO.setdefault(graph, {})
     if key not in memo:
         memo[key] = _block_activation_bytes(graph, block, tp, sequence_parallel, recompute,
-                                            layouts, fp8)
+                                            layouts, fp8, fused_kernels)
     stored, peak = memo[key]
     return ActivationBreakdown(stored * scale, peak * scale)
 
 
 def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parallel: bool,
                             recompute: str, layouts: TPLayouts | None,
-                            fp8: bool) -> tuple[float, float]:
+                            fp8: bool, fused_kernels: bool = False) -> tuple[float, float]:
     """Unscaled (stored, recompute peak) bytes of :func:`block_activation_bytes`."""
     grad_ops = requires_grad(graph)
     members = set(block.nodes)
@@ -260,12 +299,14 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
         nbytes = t.nbytes / divisor(t.root)
         everything[(t.root, t.index)] = nbytes
         stored.setdefault((t.root, t.index), nbytes)
+    region_of = {n: k for k, region in enumerate(fused_regions(graph, block))
+                 for n in region} if fused_kernels else {}
     for name in block.nodes:
         if name in fused_norm_ops:
             continue  # saved as one kernel (fused_norm_saved)
         op = graph.op(name)
         fp8_gemm = fp8 and kernel_dtype(op, "fp8") == "fp8"
-        for t in saved_tensors(graph, op, grad_ops):
+        for t in _kernel_saved(graph, op, saved_tensors(graph, op, grad_ops), region_of):
             key = (t.root, t.index)
             nbytes = t.nbytes / divisor(t.root)
             everything[key] = nbytes
@@ -294,6 +335,32 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
         total_stored = sum(stored.values())
         peak = sum(everything.values()) - total_stored
     return total_stored, peak
+
+
+def _kernel_saved(graph: Graph, op: OpNode, saved: list[SavedTensor],
+                  region_of: dict[str, int]) -> list[SavedTensor]:
+    """``saved`` as a fused kernel keeps it: a tensor made inside ``op``'s own region is not
+    kept; the region's outside inputs it was computed from are, in its place."""
+    region = region_of.get(op.name)
+    if region is None:
+        return saved
+    out: list[SavedTensor] = []
+    for t in saved:
+        base = t.root.split(":")[0]
+        if region_of.get(base) != region:
+            out.append(t)
+            continue
+        seen, frontier = set(), [base]
+        while frontier:
+            name = frontier.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if region_of.get(name) == region:
+                frontier.extend(graph.op(name).inputs)
+            elif _floating(graph, name):
+                out.append(_saved(graph, op, 0, name))
+    return out
 
 
 def op_policy_outputs(graph: Graph, block: Block, divisor) -> dict[str, float]:

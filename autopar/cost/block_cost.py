@@ -271,7 +271,8 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
                                   scale=byte_scale, layouts=config.tp_layouts,
-                                  fp8=precision.compute == "fp8")
+                                  fp8=precision.compute == "fp8",
+                                  fused_kernels=config.engine in FUSED_KERNEL_ENGINES)
     kv = cache_bytes(graph, block, kv_split) * byte_scale
     dense = expert = trainable_dense = trainable_expert = 0.0
     for p in block.params:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 import autopar
+from autopar.cost.activations import _kernel_saved, requires_grad, saved_tensors
 from autopar.cost.block_cost import block_cost, cached_block_cost, resolve_precision
 from autopar.cost.config import ParallelConfig
 from autopar.cost.fused_regions import fused_regions, region_bytes
@@ -56,7 +57,28 @@ def test_megatron_core_prices_a_llama_block_cheaper_than_op_by_op(llama) -> None
     eager = block_cost(llama, block, base, cluster, "none")
     fused = block_cost(llama, block, core, cluster, "none")
     assert fused.fwd_s < eager.fwd_s and fused.bwd_s < eager.bwd_s
-    assert fused.activation_bytes == eager.activation_bytes  # only kernels change
+    # a fused kernel keeps what it reads from outside, never its intermediates
+    assert fused.activation_bytes < eager.activation_bytes
+
+
+def test_a_fused_rmsnorm_keeps_its_input_only(llama) -> None:
+    """Eager, an RMSNorm keeps its fp32 upcast and its normalized copy; Transformer Engine's
+    fused kernel keeps its input (and a per-row statistic)."""
+    block = llama.blocks[1]
+    grad_ops = requires_grad(llama)
+    regions = fused_regions(llama, block)
+    region_of = {n: k for k, r in enumerate(regions) for n in r}
+    norms = [r for r in regions
+             if all(llama.op(n).kind in (OpKind.NORM, OpKind.VIEW) for n in r)]
+    for region in norms:
+        eager, fused = set(), set()
+        for name in region:
+            saved = saved_tensors(llama, llama.op(name), grad_ops)
+            eager |= {t.root for t in saved}
+            fused |= {t.root for t in _kernel_saved(llama, llama.op(name), saved, region_of)}
+        outside = {i for n in region for i in llama.op(n).inputs if i not in region}
+        assert fused == outside and len(fused) == 1
+        assert eager - fused  # the intermediates the eager chain keeps
 
 
 def test_a_decomposed_tanh_gelu_is_one_region(gpt2) -> None:
