@@ -31,12 +31,13 @@ import weakref
 from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
+from autopar.cost.autocast_dtypes import COMPUTE_DTYPES, lower_precision, runtime_dtypes
 from autopar.cost.compute import kernel_dtype
 from autopar.cost.config import TPLayouts
 from autopar.cost.fused_regions import fused_regions
 from autopar.cost.recompute_policy import RECOMPUTE_MODES, op_policy_saved
 from autopar.cost.tp_layout import TPLayout, attention_core, tp_layout
-from autopar.ir.graph import Block, Graph, OpKind, OpNode
+from autopar.ir.graph import Block, Graph, OpKind, OpNode, dtype_bytes
 
 # ops that save nothing for backward (their gradient needs only the output grad / shapes)
 _SAVE_NOTHING = {"add", "sub", "neg", "to", "_to_copy", "cat", "stack", "sum", "mean",
@@ -245,6 +246,7 @@ def block_activation_bytes(
     layouts: TPLayouts | None = None,
     fp8: bool = False,
     fused_kernels: bool = False,
+    autocast: str | None = None,
 ) -> ActivationBreakdown:
     """Activation bytes of ``block`` per micro-batch on one device.
 
@@ -259,26 +261,30 @@ def block_activation_bytes(
     as one kernel, :mod:`autopar.cost.fused_regions`), a region keeps the inputs it reads
     from outside, never its intermediates: a fused RMSNorm its input (not the fp32 upcast
     and the normalized copy), a fused SwiGLU the first projection's output (not the
-    activation's output).
+    activation's output). With ``autocast`` ("bf16" or "fp16"), the model trains with fp32
+    parameters under autocast to that dtype (:mod:`autopar.cost.autocast_dtypes`): each kept
+    tensor has its run-time dtype, and ``scale`` must not convert dtypes (micro-batch only).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
     chosen = layouts.get(block.type_id) if layouts is not None else None
     key = ("activations", block.index, tp, sequence_parallel, recompute, chosen, fp8,
-           fused_kernels)
+           fused_kernels, autocast)
     memo = _MEMO.setdefault(graph, {})
     if key not in memo:
         memo[key] = _block_activation_bytes(graph, block, tp, sequence_parallel, recompute,
-                                            layouts, fp8, fused_kernels)
+                                            layouts, fp8, fused_kernels, autocast)
     stored, peak = memo[key]
     return ActivationBreakdown(stored * scale, peak * scale)
 
 
 def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parallel: bool,
                             recompute: str, layouts: TPLayouts | None,
-                            fp8: bool, fused_kernels: bool = False) -> tuple[float, float]:
+                            fp8: bool, fused_kernels: bool = False,
+                            autocast: str | None = None) -> tuple[float, float]:
     """Unscaled (stored, recompute peak) bytes of :func:`block_activation_bytes`."""
     grad_ops = requires_grad(graph)
+    at_run_time = _run_time_bytes(graph, autocast)
     members = set(block.nodes)
     layout: TPLayout = tp_layout(graph, block, layouts)
     core = attention_core(graph, block) if recompute == "selective" else set()
@@ -296,7 +302,7 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
     only_fp8: dict[tuple[str, int], bool] = {}  # saved by FP8 linears alone
     fused_norm_ops, fused_norm_tensors = fused_norm_saved(graph, block)
     for t in fused_norm_tensors:
-        nbytes = t.nbytes / divisor(t.root)
+        nbytes = at_run_time(t) / divisor(t.root)
         everything[(t.root, t.index)] = nbytes
         stored.setdefault((t.root, t.index), nbytes)
     region_of = {n: k for k, region in enumerate(fused_regions(graph, block))
@@ -306,9 +312,10 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
             continue  # saved as one kernel (fused_norm_saved)
         op = graph.op(name)
         fp8_gemm = fp8 and kernel_dtype(op, "fp8") == "fp8"
-        for t in _kernel_saved(graph, op, saved_tensors(graph, op, grad_ops), region_of):
+        saved = _kernel_saved(graph, op, saved_tensors(graph, op, grad_ops), region_of)
+        for t in _autocast_copies(graph, op, saved, autocast):
             key = (t.root, t.index)
-            nbytes = t.nbytes / divisor(t.root)
+            nbytes = at_run_time(t) / divisor(t.root)
             everything[key] = nbytes
             only_fp8[key] = only_fp8.get(key, True) and fp8_gemm
             if recompute == "selective" and op.name in core and t.root.split(":")[0] in core:
@@ -326,8 +333,10 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
             for i, src in enumerate(op.inputs):
                 if src not in members and src in grad_ops:
                     root = storage_root(graph, src)
-                    inputs[root] = _input_bytes(graph, op, i) / divisor(root)
+                    inputs[root] = at_run_time(SavedTensor(root, 0, _input_bytes(graph, op, i),
+                                                           name)) / divisor(root)
         kept = op_policy_outputs(graph, block, divisor) if recompute == "op" else {}
+        kept = {r: at_run_time(SavedTensor(r, 0, b, r)) for r, b in kept.items()}
         total_stored = sum(inputs.values()) + sum(kept.values())
         # the backward re-runs the block and holds what autograd saves, except what is kept
         peak = sum(v for (root, _), v in everything.items() if root not in kept)
@@ -335,6 +344,45 @@ def _block_activation_bytes(graph: Graph, block: Block, tp: int, sequence_parall
         total_stored = sum(stored.values())
         peak = sum(everything.values()) - total_stored
     return total_stored, peak
+
+
+def _run_time_bytes(graph: Graph, autocast: str | None):
+    """The bytes of a :class:`SavedTensor` at run time: as captured, or under autocast its
+    value's run-time dtype (a derived tensor such as ``:lse`` or ``:cast`` is sized already)."""
+    if autocast is None:
+        return lambda t: t.nbytes
+    dtypes = runtime_dtypes(graph, autocast)
+    inputs = {i.name: i.meta.dtype for i in graph.inputs}
+
+    def nbytes(t: SavedTensor) -> float:
+        if ":" in t.root:
+            return t.nbytes
+        captured = graph.op(t.root).output_meta[0].dtype if graph.has_op(t.root) and \
+            graph.op(t.root).output_meta else inputs.get(t.root, "")
+        now = dtypes.get(t.root, captured)
+        if captured == now or not captured.startswith(("float", "bfloat")):
+            return t.nbytes
+        return t.nbytes * dtype_bytes(now) / dtype_bytes(captured)
+    return nbytes
+
+
+def _autocast_copies(graph: Graph, op: OpNode, saved: list[SavedTensor],
+                     autocast: str | None) -> list[SavedTensor]:
+    """``saved`` under autocast: an op autocast runs in the compute dtype keeps its own cast
+    copy of each fp32 activation it reads, not the fp32 value (keyed by the value and the op:
+    three projections of one fp32 norm output keep three copies)."""
+    if autocast is None or not lower_precision(op):
+        return saved
+    dtypes = runtime_dtypes(graph, autocast)
+    out = []
+    for t in saved:
+        if ":" in t.root or dtypes.get(t.root) != "float32":
+            out.append(t)
+            continue
+        captured = graph.op(t.root).output_meta[0].dtype if graph.has_op(t.root) else "float32"
+        copy = t.nbytes * dtype_bytes(COMPUTE_DTYPES[autocast]) / dtype_bytes(captured)
+        out.append(SavedTensor(f"{t.root}:cast@{op.name}", 0, copy, op.name))
+    return out
 
 
 def _kernel_saved(graph: Graph, op: OpNode, saved: list[SavedTensor],

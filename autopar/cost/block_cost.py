@@ -41,7 +41,8 @@ from autopar.cost.expert_load import busiest_rank_load, capped_load, expert_coun
 from autopar.cost.fused_regions import fused_region_seconds, fused_regions
 from autopar.cost.hardware import Cluster
 from autopar.cost.kv_cache import cache_bytes
-from autopar.cost.precision import default_precision
+from autopar.cost.offload import STATE_OFFLOADS
+from autopar.cost.precision import Precision, default_precision, fp32_residual_autocast
 from autopar.cost.recompute_policy import LAYERLESS_BLOCKS, op_policy_saved
 from autopar.cost.tp_layout import (
     attention_core,
@@ -269,10 +270,12 @@ def block_cost(graph: Graph, block: Block, config: ParallelConfig, cluster: Clus
             # dispatch and combine, forward and backward; the busiest receiver sets each
             nbytes = dispatch[0].input_meta[0].nbytes * byte_scale * expert_load
             ep_comm = 4 * axis_collective_time("all_to_all", nbytes, config, "ep", cluster)
+    autocast = autocast_compute(config)
     acts = block_activation_bytes(graph, block, tp=tp, sequence_parallel=sp, recompute=recompute,
-                                  scale=byte_scale, layouts=config.tp_layouts,
-                                  fp8=precision.compute == "fp8",
-                                  fused_kernels=config.engine in FUSED_KERNEL_ENGINES)
+                                  scale=byte_scale if autocast is None else flop_scale,
+                                  layouts=config.tp_layouts, fp8=precision.compute == "fp8",
+                                  fused_kernels=config.engine in FUSED_KERNEL_ENGINES,
+                                  autocast=autocast)
     kv = cache_bytes(graph, block, kv_split) * byte_scale
     dense = expert = trainable_dense = trainable_expert = 0.0
     for p in block.params:
@@ -379,6 +382,19 @@ def tp_overlap_seconds(graph: Graph, layout, op_s: dict[str, float], byte_scale:
     return fwd, bwd
 
 
+def autocast_compute(config: ParallelConfig, precision: Precision | None = None) -> str | None:
+    """The autocast dtype under which autopar's runtime keeps an fp32 residual stream for
+    ``config`` (:func:`autopar.cost.precision.fp32_residual_autocast`), or None."""
+    replicas = config.dp * config.cp * (config.ep if config.ep > 1 else 1)
+    if config.ep > 1:  # experts and dense parameters go to fully_shard together
+        sharded = config.zero_stage >= 2 or config.tp > 1
+    else:
+        sharded = replicas > 1 and config.zero_stage >= 2
+    return fp32_residual_autocast(config.engine, precision or config.precision,
+                                  replicas_sharded=sharded,
+                                  offloads_state=bool(STATE_OFFLOADS & set(config.offload)))
+
+
 def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster: Cluster,
                       recompute: str) -> BlockCost:
     """:func:`block_cost`, computed once per block type and the knobs it depends on."""
@@ -386,11 +402,12 @@ def cached_block_cost(graph: Graph, index: int, config: ParallelConfig, cluster:
     layout = config.tp_layouts.get(block.type_id) if config.tp_layouts is not None else None
     features = engine_features(config.engine)
     # the search asks hundreds of thousands of times: the key is built without copying config
+    precision = config.precision or default_precision(cluster.device)
     key = (block.type_id, recompute, config.tp, config.sequence_parallel, config.ep,
-           config.cp, config.cp_mode, config.microbatch_size,
-           config.precision or default_precision(cluster.device), cluster.cache_key, layout,
+           config.cp, config.cp_mode, config.microbatch_size, precision, cluster.cache_key, layout,
            config.vocab_parallel, features.tied_vocab_parallel, features.whole_p2p_under_sp,
-           config.engine in FUSED_KERNEL_ENGINES, config.capacity_factor)
+           config.engine in FUSED_KERNEL_ENGINES, config.capacity_factor,
+           autocast_compute(config, precision))
     by_type = graph_memo(graph)
     cost = by_type.get(key)
     if cost is None:

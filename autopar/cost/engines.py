@@ -55,7 +55,11 @@ activations) is the engine's too, as its source computes the cross-entropy:
 
 - ``"fp32-copy"`` (``autopar``, ``llama3-4d``): an eager loss on the logits cast to fp32
   (autopar's ``train/loss.py``, ``logits.float()``; torchtitan's ``cross_entropy_loss``,
-  ``pred.flatten(0, 1).float()``): the fp32 copy and its fp32 gradient, 8 bytes.
+  ``pred.flatten(0, 1).float()``). Its peak is log-softmax's backward: the fp32 output autograd
+  saved, the fp32 gradient the nll loss hands it and the fp32 gradient it writes, 12 bytes
+  (measured with PyTorch's memory profiler on CPU, ``tests/cost/test_loss_memory.py``); the
+  logits in the compute dtype are released before the backward (autopar's Trainer drops the
+  model's output; torchtitan ``del pred``).
 - ``"fp32-inplace"`` (``megatron``, ``megatron-core``, ``deepspeed``): Megatron's
   vocab-parallel cross-entropy casts its logits shard to fp32 (Megatron-LM 2021,
   ``output.float()`` unless ``--fp16-lm-cross-entropy``; Megatron-Core's
@@ -106,7 +110,7 @@ class EngineFeatures:
 # bytes per logit element the loss holds at its peak, given the compute dtype's bytes (see
 # the module docstring for each engine's source)
 LOSS_KINDS = {
-    "fp32-copy": lambda compute_bytes: 4 + 4,
+    "fp32-copy": lambda compute_bytes: 4 + 4 + 4,
     "fp32-inplace": lambda compute_bytes: 4 + compute_bytes,
     "fused": lambda compute_bytes: 2 * compute_bytes,
 }

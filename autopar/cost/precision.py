@@ -124,3 +124,17 @@ def default_precision(device: DeviceSpec) -> Precision:
     if "fp16" in device.tensor_core_dtypes:
         return Precision("fp16", "fp16", "fp32", loss_scaling=True)
     return FP32
+
+
+def fp32_residual_autocast(engine: str, precision: Precision, *, replicas_sharded: bool,
+                           offloads_state: bool) -> str | None:
+    """The compute dtype ("bf16", "fp16") when autopar's runtime trains this plan with fp32
+    parameters under autocast, so that its residual stream stays fp32; None when the model
+    computes in one dtype throughout: another engine (bf16 parameters), fp32, FP8, or
+    fully_shard (``replicas_sharded``: ZeRO-2/3 over replicas; or ``offloads_state``), whose
+    MixedPrecisionPolicy gathers bf16 parameters and casts the inputs."""
+    if engine != "autopar" or precision.compute not in ("bf16", "fp16"):
+        return None
+    if precision.param == "fp32" or replicas_sharded or offloads_state:
+        return None
+    return precision.compute

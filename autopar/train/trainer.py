@@ -412,6 +412,7 @@ class Trainer:
                         loss = self.loss(output, targets[i * b:(i + 1) * b])
                         if self.router is not None:
                             loss = loss + self._router_loss(output)
+                    del output  # the logits: the loss's backward needs only its fp32 softmax
                     scaled = loss / m
                     with record_function(BACKWARD):
                         (self.scaler.scale(scaled) if self.scaler is not None
