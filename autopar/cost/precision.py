@@ -131,10 +131,11 @@ def fp32_residual_autocast(engine: str, precision: Precision, *, replicas_sharde
     """The compute dtype ("bf16", "fp16") when autopar's runtime trains this plan with fp32
     parameters under autocast, so that its residual stream stays fp32; None when the model
     computes in one dtype throughout: another engine (bf16 parameters), fp32, FP8, or
-    fully_shard (``replicas_sharded``: ZeRO-2/3 over replicas; or ``offloads_state``), whose
-    MixedPrecisionPolicy gathers bf16 parameters and casts the inputs."""
+    fully_shard (``replicas_sharded``: ZeRO-2/3 over replicas; or ``offloads_state``) with
+    low-precision parameters, whose MixedPrecisionPolicy gathers them in that dtype and casts
+    the inputs."""
     if engine != "autopar" or precision.compute not in ("bf16", "fp16"):
         return None
-    if precision.param == "fp32" or replicas_sharded or offloads_state:
+    if (replicas_sharded or offloads_state) and precision.param != "fp32":
         return None
     return precision.compute

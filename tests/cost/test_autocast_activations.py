@@ -13,7 +13,9 @@ import torch
 
 import autopar
 from autopar.cost.activations import block_activation_bytes
-from autopar.cost.block_cost import captured_float_bytes
+from autopar.cost.block_cost import autocast_compute, captured_float_bytes
+from autopar.cost.config import ParallelConfig
+from autopar.cost.precision import Precision
 from autopar.train.autocast_ops import register_grouped_mm_autocast
 
 CONFIGS = Path(autopar.__file__).parent / "models" / "configs"
@@ -92,3 +94,21 @@ def test_layer_activations_equal_what_autograd_saves(name, runtime, tmp_path) ->
                        for b in layers)
     print(name, runtime, measured, modelled)
     assert modelled == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (dict(), "bf16"),  # one device: fp32 parameters under autocast
+    (dict(dp=4, zero_stage=1), "bf16"),  # DDP
+    (dict(tp=2), "bf16"),  # DTensor replicas of fp32 parameters
+    (dict(dp=4, zero_stage=3), None),  # fully_shard gathers bf16 parameters
+    (dict(ep=2, zero_stage=1), "bf16"),  # experts under DDP
+    (dict(ep=2, zero_stage=1, tp=2), None),  # experts under fully_shard
+    (dict(offload=("optimizer",)), None),  # FSDP2's offload
+    (dict(engine="megatron"), None),  # bf16 parameters
+    (dict(dp=4, zero_stage=3, precision=Precision("fp32", "bf16", "fp32")), "bf16"),
+    (dict(precision=Precision("fp32", "fp32", "fp32")), None),
+])
+def test_the_runtime_keeps_an_fp32_residual_stream_where_it_holds_fp32_parameters(
+        config, expected) -> None:
+    config = ParallelConfig(**{"precision": Precision("bf16", "bf16", "fp32"), **config})
+    assert autocast_compute(config) == expected
