@@ -68,6 +68,10 @@ def _propagate(graph: Graph, low: str) -> dict[str, str]:
     for op in graph.ops:
         captured = op.output_meta[0].dtype if op.output_meta else "int64"
         ins = [out[s] for s in op.inputs if is_float(out.get(s, ""))]
+        # trained parameters are fp32 masters; a fine-tune's frozen base is held in the
+        # parameter dtype (autopar.peft.hold_frozen)
+        held = ["float32" if graph.params.get(p) is None or graph.params[p].trainable else low
+                for p in op.params]
         if op.module_path and ins:
             module_input.setdefault(op.module_path, ins[0])
         if not is_float(captured):
@@ -80,13 +84,13 @@ def _propagate(graph: Graph, low: str) -> dict[str, str]:
             else:  # back down to what the module was given
                 out[op.name] = module_input.get(op.module_path, ins[0] if ins else low)
         elif op.kind is OpKind.VIEW or name in _CASTS:
-            out[op.name] = ins[0] if ins else "float32"  # a view of a parameter: fp32
+            out[op.name] = ins[0] if ins else (held[0] if held else "float32")
         elif lower_precision(op):
             out[op.name] = low
-        elif name in FP32_OPS or op.params or "float32" in ins:
+        elif name in FP32_OPS or "float32" in ins or "float32" in held:
             out[op.name] = "float32"
         else:
-            out[op.name] = ins[0] if ins else low
+            out[op.name] = ins[0] if ins else (held[0] if held else low)
     return out
 
 

@@ -227,9 +227,13 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     # step can no longer beat it is dropped (the step is at least m x its slowest stage plus
     # phi x the others so far plus its slowest tail)
     best: tuple[ParallelConfig, Estimate] | None = None
+    # the interleaved schedule cuts every stage into virtual_stages chunks of whole blocks
+    least = max(config.virtual_stages, 1) if config.schedule == "interleaved" else 1
+    if p * least > n:
+        return None, False
     balanced = list(balanced_stages(graph, p))
     opts = [planner.option(a, b, s) for s, (a, b) in enumerate(balanced)]
-    if all(o is not None for o in opts):
+    if all(o is not None for o in opts) and all(b - a >= least for a, b in balanced):
         best = planner.assemble(balanced, opts)  # type: ignore[arg-type]
     bound = min(best[1].step_time_s if best is not None else float("inf"),
                 cutoff_s) * _TOLERANCE
@@ -246,11 +250,12 @@ def best_partition(graph: Graph, cluster: Cluster, config: ParallelConfig, capac
     for s in range(p):
         new: list[list[tuple]] = [[] for _ in range(n + 1)]
         last = s == p - 1
-        for j in range(n if last else s + 1, n - (p - 1 - s) + 1):
+        for j in range(n if last else (s + 1) * least, n - (p - 1 - s) * least + 1):
             if n - j > (p - 1 - s) * longest:
                 continue  # the remaining stages could not hold the remaining blocks
             front_j = new[j]
-            for i in range(j - 1, max(s, j - longest) - 1, -1):  # the stage grows as i falls
+            # the stage grows as i falls
+            for i in range(j - least, max(s * least, j - longest) - 1, -1):
                 if not fronts[i]:
                     continue
                 opt = planner.option(i, j, s)
