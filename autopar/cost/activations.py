@@ -31,7 +31,13 @@ import weakref
 from dataclasses import dataclass
 
 from autopar.capture.op_costs import packet_name
-from autopar.cost.autocast_dtypes import COMPUTE_DTYPES, lower_precision, runtime_dtypes
+from autopar.cost.autocast_dtypes import (
+    COMPUTE_DTYPES,
+    captured_dtype,
+    is_float,
+    lower_precision,
+    runtime_dtypes,
+)
 from autopar.cost.compute import kernel_dtype
 from autopar.cost.config import TPLayouts
 from autopar.cost.fused_regions import fused_regions
@@ -175,11 +181,7 @@ def _saved_tensors(graph: Graph, op: OpNode, grad_ops: set[str]) -> list[SavedTe
 
 def _floating(graph: Graph, src: str) -> bool:
     """Whether the value ``src`` holds floating-point numbers (not indices or a mask)."""
-    if graph.has_op(src):
-        meta = graph.op(src).output_meta
-        return bool(meta) and meta[0].dtype.startswith(("float", "bfloat", "half"))
-    meta = next((inp.meta for inp in graph.inputs if inp.name == src), None)
-    return meta is not None and meta.dtype.startswith(("float", "bfloat", "half"))
+    return is_float(captured_dtype(graph, src))
 
 
 def _saved(graph: Graph, op: OpNode, i: int, src: str) -> SavedTensor:
@@ -352,15 +354,13 @@ def _run_time_bytes(graph: Graph, autocast: str | None):
     if autocast is None:
         return lambda t: t.nbytes
     dtypes = runtime_dtypes(graph, autocast)
-    inputs = {i.name: i.meta.dtype for i in graph.inputs}
 
     def nbytes(t: SavedTensor) -> float:
         if ":" in t.root:
             return t.nbytes
-        captured = graph.op(t.root).output_meta[0].dtype if graph.has_op(t.root) and \
-            graph.op(t.root).output_meta else inputs.get(t.root, "")
+        captured = captured_dtype(graph, t.root)
         now = dtypes.get(t.root, captured)
-        if captured == now or not captured.startswith(("float", "bfloat")):
+        if captured == now or not is_float(captured):
             return t.nbytes
         return t.nbytes * dtype_bytes(now) / dtype_bytes(captured)
     return nbytes
@@ -379,7 +379,7 @@ def _autocast_copies(graph: Graph, op: OpNode, saved: list[SavedTensor],
         if ":" in t.root or dtypes.get(t.root) != "float32":
             out.append(t)
             continue
-        captured = graph.op(t.root).output_meta[0].dtype if graph.has_op(t.root) else "float32"
+        captured = captured_dtype(graph, t.root) or "float32"
         copy = t.nbytes * dtype_bytes(COMPUTE_DTYPES[autocast]) / dtype_bytes(captured)
         out.append(SavedTensor(f"{t.root}:cast@{op.name}", 0, copy, op.name))
     return out

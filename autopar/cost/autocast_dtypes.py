@@ -44,6 +44,15 @@ def is_float(dtype: str) -> bool:
     return dtype in FLOAT_DTYPES
 
 
+def captured_dtype(graph: Graph, name: str) -> str:
+    """The dtype the capture gave value ``name`` (an op's output or a graph input); "" when
+    the graph holds no such value."""
+    if graph.has_op(name):
+        meta = graph.op(name).output_meta
+        return meta[0].dtype if meta else ""
+    return next((i.meta.dtype for i in graph.inputs if i.name == name), "")
+
+
 def lower_precision(op: OpNode) -> bool:
     """Whether autocast runs ``op`` in the compute dtype (and casts its inputs to it)."""
     if op.kind in (OpKind.LINEAR, OpKind.MATMUL):
@@ -94,4 +103,4 @@ def _propagate(graph: Graph, low: str) -> dict[str, str]:
     return out
 
 
-__all__ = ["COMPUTE_DTYPES", "lower_precision", "runtime_dtypes"]
+__all__ = ["COMPUTE_DTYPES", "captured_dtype", "is_float", "lower_precision", "runtime_dtypes"]
