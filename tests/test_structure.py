@@ -28,12 +28,13 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("capture",),  # model -> graph
     ("cost",),  # graph x parallel choice x hardware -> time and memory
     ("plan",),  # the Plan: data every later pass starts from
-    ("search", "report", "artifact", "weights", "data"),  # plan producers and plan readers
+    ("search", "report", "artifact", "weights", "data", "metrics"),  # plan producers and readers
     ("calibrate",),  # measure, read traces, fit the cost model (replays the search)
     ("parallel",),  # apply a plan with PyTorch's distributed engine
     ("codegen",),  # the program that applies it, written from the plan
     ("train",),  # the Trainer, the launcher, autopar.parallelize
     ("serve",),  # generation, ONNX and Hugging Face export of a trained run
+    ("api",),  # autopar.Trainer / TrainingArguments and the run config: the front door
     ("cli",),  # the autopar command
     ("autopar", "__main__"),  # the public names (autopar/__init__.py), python -m autopar
 )

@@ -125,13 +125,53 @@ def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | o
                         seq: int, prompt_key: str = "prompt",
                         response_key: str = "response") -> dict:
     """Tokenize, pack and mask instruction pairs into ``out_prefix``; returns the numbers."""
-    t0 = time.perf_counter()
     paths = _check_inputs(list(inputs))
     tok = load_hf_tokenizer(tokenizer)
+    stats = pack_instruction(_json_records(paths, prompt_key, response_key), out_prefix, tok,
+                             seq, prompt_key, response_key,
+                             where=", ".join(str(p) for p in paths))
+    return {**stats, "tokenizer": str(tokenizer)}
+
+
+def _json_records(paths: list[Path], prompt_key: str, response_key: str):
+    """(where, record) of every JSON line of the inputs."""
+    for path in paths:
+        for lineno, line in _lines(path):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise PlanError(f"{where}: not valid JSON; each line must be one object "
+                                f"with {prompt_key!r} and {response_key!r}") from None
+            yield where, record
+
+
+def record_ids_and_mask(tok, record: object, where: str, prompt_key: str = "prompt",
+                        response_key: str = "response") -> tuple[list[int], list[int]]:
+    """One instruction record's token ids and loss mask: a conversation (``messages``)
+    through the chat template, else a prompt/response pair (see the module docstring)."""
+    if isinstance(record, dict) and "messages" in record:  # a conversation
+        return chat_ids_and_mask(tok, record["messages"], where)
+    prompt, response = _pair(record, where, prompt_key, response_key)
+    ids_p = list(tok(prompt)["input_ids"])
+    ids_r = list(tok(response, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    return ids_p + ids_r, [0] * len(ids_p) + [1] * len(ids_r)
+
+
+def pack_instruction(records, out_prefix: Path, tok, seq: int, prompt_key: str = "prompt",
+                     response_key: str = "response", where: str = "the data",
+                     max_rows: int | None = None) -> dict:
+    """Pack ``records`` ((where, record) pairs: prompt/response pairs or conversations) into
+    rows of ``seq + 1`` tokens with their loss mask under ``out_prefix`` (see the module
+    docstring), with the loaded tokenizer ``tok``; stop once ``max_rows`` rows are full (a
+    streamed dataset is read no further than the run needs). Returns the numbers."""
+    t0 = time.perf_counter()
     eos = tok.eos_token_id
     if eos is None:
-        raise PlanError(f"the tokenizer in {tokenizer} has no end-of-sequence token; a "
-                        f"response must end with one")
+        raise PlanError("the tokenizer has no end-of-sequence token; a response must end with "
+                        "one: set its eos_token")
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     width = seq + 1
     prefix = dataset_prefix(out_prefix)
@@ -150,35 +190,22 @@ def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | o
             row_ids.clear()
             row_mask.clear()
 
-        for path in paths:
-            for lineno, line in _lines(path):
-                if not line.strip():
-                    continue
-                where = f"{path.name}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    raise PlanError(f"{where}: not valid JSON; each line must be one object "
-                                    f"with {prompt_key!r} and {response_key!r}") from None
-                if isinstance(record, dict) and "messages" in record:  # a conversation
-                    ids, mask = chat_ids_and_mask(tok, record["messages"], where)
-                else:
-                    prompt, response = _pair(record, where, prompt_key, response_key)
-                    ids_p = tok(prompt)["input_ids"]
-                    ids_r = tok(response, add_special_tokens=False)["input_ids"] + [eos]
-                    ids, mask = ids_p + ids_r, [0] * len(ids_p) + [1] * len(ids_r)
-                if len(ids) > width:
-                    ids, mask = ids[:width], mask[:width]
-                    cut += 1
-                if len(row_ids) + len(ids) > width:
-                    close_row()
-                row_ids.extend(ids)
-                row_mask.extend(mask)
-                pairs += 1
-        if row_ids:
+        for place, record in records:
+            ids, mask = record_ids_and_mask(tok, record, place, prompt_key, response_key)
+            if len(ids) > width:
+                ids, mask = ids[:width], mask[:width]
+                cut += 1
+            if len(row_ids) + len(ids) > width:
+                close_row()
+                if max_rows is not None and len(masks) >= max_rows:
+                    break
+            row_ids.extend(ids)
+            row_mask.extend(mask)
+            pairs += 1
+        if row_ids and (max_rows is None or len(masks) < max_rows):
             close_row()
         if pairs == 0:
-            raise PlanError(f"no instruction pairs in {', '.join(str(p) for p in paths)}")
+            raise PlanError(f"no instruction pairs in {where}")
         mask = np.concatenate(masks)
         tmp = mask_path.with_name(mask_path.name + f".tmp{os.getpid()}")
         mask.tofile(tmp)
@@ -190,5 +217,4 @@ def prepare_instruction(inputs: list[Path], out_prefix: Path, tokenizer: str | o
     return {"prefix": str(prefix), "bin": str(bin_path), "idx": str(idx_path),
             "mask": str(mask_path), "pairs": pairs, "rows": len(masks), "cut": cut,
             "tokens": int(mask.size), "trained_tokens": int(mask.sum()), "seq": seq,
-            "vocab_size": len(tok), "tokenizer": str(tokenizer),
-            "seconds": round(seconds, 3)}
+            "vocab_size": len(tok), "seconds": round(seconds, 3)}
