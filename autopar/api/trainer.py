@@ -32,6 +32,8 @@ from autopar.api.rank_zero import on_rank_zero
 from autopar.artifact import load_artifact
 from autopar.artifact.load import is_artifact
 from autopar.codegen import compile_artifact
+from autopar.data.blend import is_blend, parse_blend
+from autopar.data.dataset import dataset_prefix, open_source
 from autopar.data.hf_datasets import is_streamed, prepare_hf_dataset
 from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
@@ -208,19 +210,43 @@ class Trainer:
             snapshot_weights(self.model_input.module, out / "init")
 
     def _prepare(self, name: str, dataset: object) -> dict:
-        """Rank 0 writes ``dataset`` as OUTPUT_DIR/data/NAME; every rank gets its numbers."""
-
+        """The token data of ``dataset``: {"prefix" (what the runtime opens), "rows" (whole
+        packed rows of one epoch, None for a stream), ...}. A Hugging Face dataset is written
+        by rank 0 as OUTPUT_DIR/data/NAME; a prepared token dataset (``autopar data
+        prepare``'s PREFIX) is read where it is; a list of ``(dataset, weight)`` pairs is a
+        blend of them (autopar.data.blend)."""
+        if isinstance(dataset, (list, tuple)):
+            return self._blend(name, dataset)
+        if isinstance(dataset, (str, Path)):
+            prefix = str(dataset) if str(dataset) == "synthetic" or is_blend(str(dataset)) \
+                else str(dataset_prefix(dataset))
+            source = open_source(prefix, self.model_input.vocab)
+            rows = source.num_windows(self.seq) if hasattr(source, "num_windows") else None
+            return {"kind": "prepared", "prefix": prefix, "rows": rows}
         rows = None
-        if is_streamed(dataset) and name == "train":
+        if is_streamed(dataset) and name.startswith("train"):
             if self.args.max_steps <= 0:
                 raise PlanError("a streamed dataset has no length; set max_steps")
             rows = self.args.max_steps * self.global_batch
         elif is_streamed(dataset):
             rows = 64 * self.global_batch  # an evaluation reads at most 64 batches
         prefix = self.output_dir / "data" / name
-        return on_rank_zero(lambda: prepare_hf_dataset(
+        stats = on_rank_zero(lambda: prepare_hf_dataset(
             dataset, prefix, self.tokenizer, self.seq, vocab=self.model_input.vocab,
             text_field=self.args.dataset_text_field, max_rows=rows))
+        return {**stats, "rows": None if is_streamed(dataset) else stats["rows"]}
+
+    def _blend(self, name: str, parts: list | tuple) -> dict:
+        if not parts or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in parts):
+            raise PlanError("a blend is a list of (dataset, weight) pairs, e.g. [(web, 0.7), "
+                            "(code, 0.3)]")
+        prepared = [(float(w), self._prepare(f"{name}-{i}", d))
+                    for i, (d, w) in enumerate(parts)]
+        spec = " ".join(f"{w!r} {p['prefix']}" for w, p in prepared)
+        parse_blend(spec)  # weights checked here, in one line
+        rows = [p["rows"] for _, p in prepared]
+        return {"kind": "blend", "prefix": spec,
+                "rows": None if None in rows else sum(rows)}
 
     # --- the runtime ----------------------------------------------------------------------
     def _hyper(self, steps: int):
@@ -262,7 +288,9 @@ class Trainer:
 
     def _held_out(self, data: dict):
 
-        batches = max(1, min(64, data["rows"] // self.global_batch))
+        rows = data["rows"] if data["rows"] is not None else data.get("tokens", 0) // (
+            self.seq + 1)
+        batches = max(1, min(64, rows // self.global_batch))
         return HeldOut(data["prefix"], batches)
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
@@ -291,7 +319,8 @@ class Trainer:
                                  every=self.args.logging_steps, resume=resume)
         if resume:
             runtime.resume(ckpt)
-        steps_per_epoch = max(1, self.train_data["rows"] // self.global_batch)
+        steps_per_epoch = max(1, (self.train_data["rows"] or steps * self.global_batch)
+                              // self.global_batch)
         eval_every = self.args.every(self.args.eval_strategy, self.args.eval_steps,
                                      steps_per_epoch)
         evaluator = None

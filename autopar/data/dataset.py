@@ -50,6 +50,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from autopar.data.blend import BlendedTokens, is_blend, parse_blend
 from autopar.data.synthetic import synthetic_batch
 from autopar.errors import PlanError
 
@@ -350,13 +351,16 @@ class SyntheticTokens:
         return f"SyntheticTokens(vocab={self._vocab})"
 
 
-def open_source(data: str, vocab: int) -> TokenDataset | SyntheticTokens:
-    """``"synthetic"`` -> :class:`SyntheticTokens`; else the dataset at PREFIX[.bin|.idx].
+def open_source(data: str, vocab: int):
+    """``"synthetic"`` -> :class:`SyntheticTokens`; a blend (``"0.7 tok/a 0.3 tok/b"``) ->
+    :class:`autopar.data.blend.BlendedTokens`; else the dataset at PREFIX[.bin|.idx].
 
     Refuses a dataset whose vocabulary is larger than the model's ``vocab``.
     """
     if data == "synthetic":
         return SyntheticTokens(vocab)
+    if is_blend(data):
+        return BlendedTokens([(w, open_source(p, vocab)) for w, p in parse_blend(data)])
     ds = TokenDataset(data)
     if ds.vocab_size > vocab:
         raise PlanError(f"token dataset {ds.prefix} has a vocabulary of {ds.vocab_size} ids but "
