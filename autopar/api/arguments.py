@@ -36,7 +36,9 @@ REFUSED = {
     "tp_size": "autopar plans tensor parallelism; pin it with constraints={'tp': N}",
     "parallelism_config": "autopar plans the layout; pin parts with constraints={...}",
     "per_gpu_train_batch_size": "use per_device_train_batch_size or global_batch_size",
-    "per_gpu_eval_batch_size": "use per_device_eval_batch_size",
+    "per_gpu_eval_batch_size": "evaluation runs in the plan's batch layout",
+    "per_device_eval_batch_size": "evaluation runs in the plan's batch layout (its global "
+                                  "batch and micro-batches), over every held-out row",
     "local_rank": "torchrun sets the ranks; autopar reads them from the environment",
     "n_gpu": "the plan is made for the processes the run is launched with",
     "optim": "autopar trains with AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
@@ -62,7 +64,6 @@ class _Fields:
     overwrite_output_dir: bool = False
     # the batch (see the module docstring)
     per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     global_batch_size: int | None = None
     max_seq_length: int | None = None  # tokens per packed row; None: min(model's, 512)
@@ -119,8 +120,7 @@ class TrainingArguments(_Fields):
         self._check()
 
     def _check(self) -> None:
-        positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "logging_steps", "save_steps")
+        positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -34,7 +34,12 @@ from autopar.artifact.load import is_artifact
 from autopar.codegen import compile_artifact
 from autopar.data.blend import is_blend, parse_blend
 from autopar.data.dataset import dataset_prefix, open_source
-from autopar.data.hf_datasets import is_streamed, prepare_hf_dataset
+from autopar.data.hf_datasets import (
+    dataset_kind,
+    is_hf_dataset,
+    is_streamed,
+    prepare_hf_dataset,
+)
 from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
 from autopar.metrics.scores import exact_match
@@ -76,6 +81,10 @@ class PredictionOutput:
 
 
 def _world() -> tuple[int, int]:
+    """(processes, this one's rank): the process group's when one is joined, else
+    torchrun's environment (one process without it)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
@@ -133,6 +142,8 @@ class Trainer:
         self.tokenizer = self._tokenizer(tokenizer if tokenizer is not None
                                          else processing_class)
         self.peft = peft
+        for dataset in (train_dataset, eval_dataset):  # bad data fails before planning
+            self._check_data(dataset)
         on_rank_zero(lambda: self._plan_and_compile(plan))
 
         self.manifest, self.plan = load_artifact(self.output_dir)
@@ -159,6 +170,18 @@ class Trainer:
         if given is None:
             return None
         return load_hf_tokenizer(given) if isinstance(given, (str, Path)) else given
+
+    def _check_data(self, dataset: object) -> None:
+        """A Hugging Face dataset's kind from its columns, and the tokenizer it needs."""
+        parts = dataset if isinstance(dataset, (list, tuple)) else [(dataset, 1.0)]
+        for part in parts:
+            data = part[0] if isinstance(part, (list, tuple)) and part else part
+            if not is_hf_dataset(data) or _is_task_set(data):
+                continue
+            kind = dataset_kind(data, self.args.dataset_text_field)
+            if kind != "tokens" and self.tokenizer is None:
+                raise PlanError(f"{kind} data needs the model's tokenizer: pass "
+                                f"tokenizer=FOLDER (or a model folder that holds one)")
 
     def _seq(self) -> int:
         if self.args.max_seq_length is not None:

@@ -101,9 +101,12 @@ def write_text(rows: Iterable[dict], prefix: Path, tok, field: str = "text",
             writer.add_documents([list(ids) + [eos] for ids in encoded])
             batch.clear()
 
+        # a stream is tokenized a few documents at a time, so that it is read no further
+        # than the run needs
+        size = _BATCH if max_tokens is None else 16
         for text in _texts(rows, field):
             batch.append(text)
-            if len(batch) >= _BATCH:
+            if len(batch) >= size:
                 flush()
                 if max_tokens is not None and writer.num_tokens >= max_tokens:
                     break

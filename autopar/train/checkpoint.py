@@ -214,7 +214,10 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, keep_last: int = 0)
         if param is not None:
             dim, order = fused[param]
             state[key] = _reorder(value, dim, torch.argsort(order))  # back to the model's
-    dcp.save(state, checkpoint_id=str(partial))
+    with warnings.catch_warnings():  # one process: "assuming ... a single process", it is one
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(state, checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
         # the schedule is a function of the step (autopar.train.optim.lr_at); its horizon

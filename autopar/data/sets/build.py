@@ -48,9 +48,9 @@ def train_tokenizer(texts: list[str]):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    extra = "abcdefghijklmnopqrstuvwxyz0123456789.,?!'-:;"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    extra = "abcdefghijklmnopqrstuvwxyz0123456789.,?!'-:;\n"
     tok.train_from_iterator(texts + [extra], trainers.BpeTrainer(
         vocab_size=256, special_tokens=SPECIAL, initial_alphabet=list(extra),
         show_progress=False))
