@@ -135,6 +135,9 @@ class Generator:
                 model = self._stages(model, plan)
             else:
                 model = parallelize(model, plan, str(self.device.type))
+                if isinstance(model, nn.parallel.DistributedDataParallel):
+                    # replicas of a decode step share no gradient: the whole model, as is
+                    model = model.module
         self.model = model.eval()
         self.config = model.config
 
