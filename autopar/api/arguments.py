@@ -68,6 +68,7 @@ class _Fields:
     global_batch_size: int | None = None
     max_seq_length: int | None = None  # tokens per packed row; None: min(model's, 512)
     dataset_text_field: str = "text"
+    document_mask: bool = True  # keep packed documents apart where the model allows
     # how long
     max_steps: int = -1
     num_train_epochs: float = 3.0

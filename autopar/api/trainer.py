@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,7 +301,10 @@ class Trainer:
         steps = self.total_steps() if self.train_data is not None else 1
         self._runtime = RuntimeTrainer(
             self.manifest["model"], self.plan, program=program, device=self.device_kind,
-            seed=self.args.seed, hyper=self._hyper(steps), data=data, init_from=init)
+            seed=self.args.seed, hyper=self._hyper(steps), data=data, init_from=init,
+            document_mask=self.args.document_mask)
+        if self.rank == 0 and self.train_data is not None:
+            print(f"autopar: {self._runtime.document_choice}", file=sys.stderr)
         return self._runtime
 
     @property
@@ -365,7 +369,8 @@ class Trainer:
         seconds = time.perf_counter() - start
         self.state["global_step"] = runtime.step_index
         self.state["losses"] = losses
-        metrics = {"train_loss": sum(losses) / len(losses), "train_runtime": seconds,
+        metrics = {"train_loss": sum(losses) / len(losses), "losses": losses,
+                   "train_runtime": seconds,
                    "train_steps_per_second": len(losses) / seconds if seconds else None,
                    "train_samples_per_second":
                        len(losses) * self.global_batch / seconds if seconds else None}

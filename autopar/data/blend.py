@@ -71,6 +71,12 @@ class BlendedTokens:
     def vocab_size(self) -> int:
         return max(s.vocab_size for s in self.sources)
 
+    @property
+    def eos_id(self) -> int | None:
+        """The end-of-document token every source shares, else None."""
+        ends = {getattr(s, "eos_id", None) for s in self.sources}
+        return ends.pop() if len(ends) == 1 else None
+
     def num_windows(self, seq: int) -> int:
         """Rows of ``seq + 1`` tokens in one pass over every source."""
         return sum(s.num_windows(seq) for s in self.sources)

@@ -245,12 +245,23 @@ class TokenDataset:
                                 f"tokens; {_PREPARE_HINT}")
             self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(ntok,)) \
                 if ntok else np.zeros(0, dtype=np.uint8)
-            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-            self.packed_seq = meta.get("seq")
+            self.packed_seq = self._meta(meta_path).get("seq")
+        # the token that ends each document, when the data says (autopar.data.documents)
+        eos = self._meta(meta_path).get("eos_id")
+        self.eos_id: int | None = int(eos) if isinstance(eos, int) else None
         # numpy cannot map an empty file; an empty corpus is refused by rows() anyway
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(ntok,))
                        if ntok else np.zeros(0, dtype=self.dtype))
         self._perms: dict[tuple[int, int, int], np.ndarray] = {}
+
+    @staticmethod
+    def _meta(path: Path) -> dict:
+        """PREFIX.meta.json (packing and document facts), or {} when absent or unreadable."""
+        try:
+            meta = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
 
     @property
     def vocab_size(self) -> int:

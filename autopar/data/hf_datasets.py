@@ -11,26 +11,25 @@ rank then reads its rows of. Its kind comes from its columns (:func:`dataset_kin
 * ``prompt``/``response`` (or Alpaca's ``instruction``/``output``): instruction pairs, the
   loss on the response;
 * the text field (``text`` unless told): plain documents, each followed by the end-of-text
-  token, packed into rows across document boundaries (see :data:`CROSS_DOCUMENT`).
+  token, packed into rows across document boundaries; the end token is recorded
+  (PREFIX.meta.json) so that the runtime can keep documents apart
+  (autopar.data.documents).
 
 A streamed dataset is read only as far as the run needs (``max_tokens``, ``max_rows``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from autopar.data.dataset import TokenWriter, dataset_prefix
+from autopar.data.documents import META_SUFFIX
 from autopar.data.instruction import pack_instruction
 from autopar.errors import PlanError
 
 KINDS = ("tokens", "chat", "instruction", "text")
-# the packing choice, stated in the docs and on the console: documents packed into one row
-# attend to each other (Megatron-LM's and torchtitan's default for pre-training); autopar's
-# runtime passes no document mask to the model
-CROSS_DOCUMENT = ("text rows are packed across document boundaries and attend across them "
-                  "(no document mask: as Megatron-LM and torchtitan pre-train)")
 _BATCH = 256  # documents per tokenizer call
 
 
@@ -114,7 +113,16 @@ def write_text(rows: Iterable[dict], prefix: Path, tok, field: str = "text",
             flush()
         if writer.num_documents == 0:
             raise PlanError(f"the dataset's '{field}' column has no text; give rows with text")
+        write_meta(prefix, {"format": "text", "eos_id": eos})
         return {"documents": writer.num_documents, "tokens": writer.num_tokens}
+
+
+def write_meta(prefix: Path, meta: dict) -> None:
+    """PREFIX.meta.json: what the token files' documents are (their end token)."""
+    path = Path(f"{dataset_prefix(prefix)}{META_SUFFIX}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(path)
 
 
 def write_token_rows(rows: Iterable[dict], prefix: Path, vocab: int,
@@ -132,6 +140,7 @@ def write_token_rows(rows: Iterable[dict], prefix: Path, vocab: int,
                 break
         if writer.num_documents == 0:
             raise PlanError("the dataset's 'input_ids' rows are all empty")
+        write_meta(prefix, {"format": "tokens"})  # documents are rows: no end token known
         return {"documents": writer.num_documents, "tokens": writer.num_tokens}
 
 

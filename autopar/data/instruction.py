@@ -210,7 +210,7 @@ def pack_instruction(records, out_prefix: Path, tok, seq: int, prompt_key: str =
         tmp = mask_path.with_name(mask_path.name + f".tmp{os.getpid()}")
         mask.tofile(tmp)
         os.replace(tmp, mask_path)
-        meta_path.write_text(json.dumps({"format": "instruction", "seq": seq,
+        meta_path.write_text(json.dumps({"format": "instruction", "seq": seq, "eos_id": eos,
                                          "pairs": pairs, "cut": cut}) + "\n")
     bin_path, idx_path = dataset_paths(prefix)
     seconds = time.perf_counter() - t0

@@ -104,7 +104,9 @@ def _sums(trainer, inputs: torch.Tensor, targets: torch.Tensor, m: int, b: int
     for i in range(m):
         rows = slice(i * b, (i + 1) * b)
         with trainer._loss_context(), trainer._compute():
-            s, c = summed_lm_loss(trainer.model(inputs[rows]), targets[rows])
+            s, c = summed_lm_loss(trainer.model(inputs[rows],
+                                                **trainer.position_kwargs(inputs[rows])),
+                                  targets[rows])
         summed += s.double()
         counted += c.double()
     return summed, counted

@@ -207,7 +207,10 @@ def _train(options: RunOptions, manifest: dict, plan, program, kind: str, world:
                      every=int(training["log_every"]), resume=resume) if rank == 0 else None
     trainer = Trainer(manifest["model"], plan, program=program, device=kind, seed=options.seed,
                       hyper=hyper, log=run_log, data=options.data,
-                      init_from=None if resume else options.init_from)
+                      init_from=None if resume else options.init_from,
+                      document_mask=bool(training.get("document_mask", True)))
+    if rank == 0 and options.data != "synthetic" and not trainer.task.classifies:
+        click.echo(f"autopar: {trainer.document_choice}", err=True)
     evaluate = _evaluator(held, trainer)  # held-out data checked before any step
     profiler = StepProfiler(logs / "profile", rank, window, trainer.device, plan.mesh) \
         if window is not None else None

@@ -63,6 +63,10 @@ _OPTIONS: list[Callable] = [
     click.option("--capacity-factor", default=None, type=float,
                  help="Cap each expert at this factor times an even share of a sequence's "
                       "token copies, dropping the rest (GShard) [default: dropless]."),
+    click.option("--no-document-mask", "document_mask", is_flag=True, default=True,
+                 flag_value=False,
+                 help="Let packed documents attend to each other (by default positions "
+                      "restart after each end-of-document token where the model allows)."),
     click.option("--eval", "eval_source", default=None,
                  help="Held-out data for validation loss and perplexity: 'synthetic' or a "
                       "token dataset PREFIX; logged to DIR/logs/eval.jsonl."),

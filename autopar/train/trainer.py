@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from autopar.calibrate.trace_summary import BACKWARD, FORWARD, OPTIMIZER, STEP, mark_forward
 from autopar.data.dataset import open_source
+from autopar.data.documents import document_positions
 from autopar.errors import PlanError
 from autopar.models.source import build_from_source
 from autopar.parallel.context_parallel import CP_ATTR, context_parallel_of
@@ -43,6 +44,7 @@ from autopar.plan import Plan
 from autopar.plan.support import refuse_unsupported
 from autopar.train.autocast_ops import register_grouped_mm_autocast
 from autopar.train.checkpoint import load_checkpoint, save_checkpoint
+from autopar.train.document_mask import document_mask_choice
 from autopar.train.expert_capacity import (
     CapacityCounter,
     install_capacity,
@@ -120,7 +122,7 @@ class Trainer:
     def __init__(self, source: dict, plan: Plan, *, program: ModuleType, device: str = "cpu",
                  seed: int = 0, hyper: Hyperparameters | None = None, lr: float | None = None,
                  log: RunLog | None = None, data: str = "synthetic",
-                 init_from: str | Path | None = None) -> None:
+                 init_from: str | Path | None = None, document_mask: bool = True) -> None:
         refuse_unsupported(plan)  # the table the search reads too
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan.check_world_size(world)
@@ -170,6 +172,9 @@ class Trainer:
 
             # bad data fails before any parallel setup
             self.data = open_source(data, self.vocab)
+        # packed documents: kept apart by their positions when the model and plan allow
+        self.document_eos, self.document_choice = document_mask_choice(
+            model, plan, getattr(self, "data", None), document_mask)
         # the unparallelised meta model: materialize reads each module's class and init rule
         # from it (parallelism replaces both); a meta copy costs no memory
         reference = copy.deepcopy(model)
@@ -408,7 +413,8 @@ class Trainer:
                 chunk = inputs[i * b:(i + 1) * b]
                 with self._loss_context(), self._activation_offload():
                     with record_function(FORWARD), self._compute():
-                        output = self.model(chunk, **self.forward_kwargs)
+                        output = self.model(chunk, **self.forward_kwargs,
+                                            **self.position_kwargs(chunk))
                         loss = self.loss(output, targets[i * b:(i + 1) * b])
                         if self.router is not None:
                             loss = loss + self._router_loss(output)
@@ -455,6 +461,13 @@ class Trainer:
         if mask is not None:  # instruction data: only response tokens are trained targets
             targets = targets.masked_fill(~mask[:, 1:].to(self.device), IGNORE_INDEX)
         return mine[:, :-1], targets
+
+    def position_kwargs(self, ids: torch.Tensor) -> dict:
+        """``{"position_ids": ...}`` restarting after each end-of-document token when this
+        run keeps packed documents apart (:mod:`autopar.train.document_mask`), else {}."""
+        if self.document_eos is None:
+            return {}
+        return {"position_ids": document_positions(ids, self.document_eos)}
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 import autopar
 from autopar.data.dataset import TokenDataset
+from autopar.data.documents import document_positions
 from autopar.data.instruction import chat_ids_and_mask
 from autopar.data.sets import load_text_set, text_set_rows
 from autopar.errors import PlanError
@@ -178,9 +179,11 @@ def test_a_module_trains_from_its_own_weights(tmp_path) -> None:
     trainer = autopar.Trainer(module, args=_args(tmp_path / "run", max_steps=1),
                               train_dataset=load_text_set(),
                               tokenizer=ROOT / "autopar/models/tokenizers/tiny")
-    rows = TokenDataset(tmp_path / "run" / "data" / "train").rows(0, 4, 32, 42, 0, 4)
-    with torch.no_grad():
-        logits = module(rows[:, :-1]).logits
+    data = TokenDataset(tmp_path / "run" / "data" / "train")
+    rows = data.rows(0, 4, 32, 42, 0, 4)
+    with torch.no_grad():  # the documents packed in a row kept apart, as the run does
+        logits = module(rows[:, :-1], position_ids=document_positions(rows[:, :-1],
+                                                                      data.eos_id)).logits
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256),
                                                      rows[:, 1:].reshape(-1))
     assert trainer.train().training_loss == pytest.approx(float(expected), abs=1e-5)
@@ -209,3 +212,26 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path) -> None:
             call()
         assert "\n" not in str(info.value)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+def _train_under(out: str, constraints: dict | None) -> list[float]:
+    args = _args(Path(out), max_steps=3, global_batch_size=4, constraints=constraints)
+    trainer = autopar.Trainer("tiny-llama", args=args, train_dataset=load_text_set())
+    assert trainer._ensure_runtime().document_eos is not None  # documents kept apart
+    return trainer.train().metrics["losses"]
+
+
+def _tp_rank(rank: int, port: int, out, world: int, folder: str) -> None:
+    from tests.fixtures.harness import run_in_group
+
+    run_in_group(rank, port, out, world, _train_under, folder, {"tp": 2, "dp": 1})
+
+
+@pytest.mark.dist
+def test_tensor_parallel_with_documents_kept_apart_equals_one_process(tmp_path) -> None:
+    from tests.fixtures.harness import spawn_ranks
+
+    expected = _train_under(str(tmp_path / "one"), None)
+    (got,) = spawn_ranks(_tp_rank, 2, (2, str(tmp_path / "tp")), timeout_s=240)
+    assert autopar.Plan.load(tmp_path / "tp" / "plan.yaml").mesh["tp"] == 2
+    assert got == pytest.approx(expected, abs=1e-4)

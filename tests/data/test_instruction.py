@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import autopar
@@ -89,7 +90,11 @@ def test_the_loss_ignores_prompt_tokens(dataset) -> None:
                       data=str(prefix))
     ds = TokenDataset(prefix)
     rows, mask = ds.rows(0, 2, SEQ, 0, 0, 2), ds.loss_mask(0, 2, SEQ, 0, 0, 2)
-    logits = trainer.logits(rows[:, :-1]).flatten(0, 1)
+    # each pair keeps to itself: positions restart after each end-of-sequence token
+    assert trainer.document_eos == ds.eos_id is not None
+    with torch.no_grad():
+        logits = trainer.model(rows[:, :-1], **trainer.position_kwargs(rows[:, :-1])
+                               ).logits.flatten(0, 1)
     targets = rows[:, 1:]
     masked = F.cross_entropy(logits, targets.masked_fill(~mask[:, 1:], -100).flatten())
     everything = F.cross_entropy(logits, targets.flatten())

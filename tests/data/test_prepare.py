@@ -44,8 +44,9 @@ def test_prepare_trains_bpe_and_round_trips(tmp_path, corpus) -> None:
     assert 256 < stats["vocab_size"] <= 400 and stats["dtype"] == "uint16"
     assert stats["tokenizer_trained"] and stats["eos_id"] == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "c.bin", "c.idx", "c.tokenizer.json"]
+        "c.bin", "c.idx", "c.meta.json", "c.tokenizer.json"]
     ds = TokenDataset(tmp_path / "out" / "c")
+    assert ds.eos_id == 0  # recorded: the runtime keeps the documents apart by it
     assert ds.num_documents == len(lines) and ds.num_tokens == stats["tokens"]
     assert ds.vocab_size == stats["vocab_size"]
     # BPE merged something: fewer tokens than UTF-8 bytes (+1 EOS per document)

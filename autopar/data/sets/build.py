@@ -51,7 +51,7 @@ def train_tokenizer(texts: list[str]):
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     tok.decoder = decoders.Metaspace(prepend_scheme="first")
     extra = "abcdefghijklmnopqrstuvwxyz0123456789.,?!'-:;\n"
-    tok.train_from_iterator(texts + [extra], trainers.BpeTrainer(
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=256, special_tokens=SPECIAL, initial_alphabet=list(extra),
         show_progress=False))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
