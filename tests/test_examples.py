@@ -48,6 +48,15 @@ def test_train_gpt_cpu_example(tmp_path) -> None:
     assert len((out / "logs" / "train.jsonl").read_text().splitlines()) == 10
 
 
+def test_trainer_quickstart_example(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "trainer_quickstart.py"),
+                             str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "'eval_perplexity'" in result.stdout
+    assert len((tmp_path / "run" / "logs" / "train.jsonl").read_text().splitlines()) == 10
+
+
 def test_train_mixtral_ep_cpu_example(tmp_path) -> None:
     out = tmp_path / "art"
     result = subprocess.run([sys.executable, str(EXAMPLES / "train_mixtral_ep_cpu.py"), str(out)],

@@ -376,6 +376,18 @@ class Trainer:
                        len(losses) * self.global_batch / seconds if seconds else None}
         return TrainOutput(runtime.step_index, metrics["train_loss"], metrics)
 
+    def finetune(self, resume_from_checkpoint: bool | None = None) -> TrainOutput:
+        """MindFormers' name for training from pretrained weights: :meth:`train`, refused
+        when there is nothing to fine-tune from (neither a fine-tuning method nor starting
+        weights: a Hugging Face folder with safetensors, an artifact, a module)."""
+        if not self.peft and self.model_input.module is None and \
+                self.model_input.init_from is None:
+            raise PlanError("finetune starts from pretrained weights: pass a Hugging Face "
+                            "folder with safetensors (or an artifact, or a module), or a "
+                            "fine-tuning method with peft=...; to train from scratch call "
+                            "train()")
+        return self.train(resume_from_checkpoint)
+
     def _log_eval(self, record: dict) -> dict:
         self.state["log_history"].append({f"eval_{k}": v for k, v in record.items()})
         return record

@@ -24,7 +24,6 @@ from autopar.metrics import load_set
 from autopar.metrics.tasks import multiple_choice_accuracy
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART = ROOT / "examples" / "trainer_quickstart.py"
 
 
 def _args(out: Path, **kw) -> autopar.TrainingArguments:
@@ -38,25 +37,38 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
+def readme_example() -> str:
+    """The README's five-line example, as a user copies it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Train, evaluate and generate in five lines", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 @pytest.mark.dist
-def test_the_quickstart_trains_alike_in_one_process_and_under_torchrun(tmp_path) -> None:
-    one = subprocess.run([sys.executable, str(QUICKSTART), str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(QUICKSTART), str(tmp_path / "two")],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert two.returncode == 0, two.stderr[-2000:]
-    plan = autopar.Plan.load(tmp_path / "two" / "plan.yaml")
+def test_the_readme_example_trains_alike_in_one_process_and_under_torchrun(tmp_path) -> None:
+    script = tmp_path / "five.py"
+    script.write_text(readme_example())
+    runs = {"one": [sys.executable, str(script)],
+            "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", str(script)]}
+    out = {}
+    for name, command in runs.items():
+        (tmp_path / name).mkdir()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path / name)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[name] = done.stdout
+    plan = autopar.Plan.load(tmp_path / "two" / "run" / "plan.yaml")
     assert plan.devices == 2 and plan.global_batch == 8
-    expected, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    expected, got = _losses(tmp_path / "one" / "run"), _losses(tmp_path / "two" / "run")
     assert len(expected) == 10 and expected[-1] < expected[0]
     assert got == pytest.approx(expected, abs=1e-4)
-    evals = [_printed_eval(one.stdout)] + [_printed_eval(line) for line in
-                                           two.stdout.splitlines() if "eval_loss" in line]
+    evals = [_printed_eval(out["one"])] + [ast.literal_eval(line) for line in
+                                           out["two"].splitlines() if "eval_loss" in line]
     assert len(evals) == 3  # one process, then each of the two ranks
     assert [e["eval_loss"] for e in evals] == pytest.approx([evals[0]["eval_loss"]] * 3,
                                                             abs=1e-4)
+    assert out["two"].count("[\'") >= 2  # each rank printed the generated text
 
 
 def _printed_eval(text: str) -> dict:
