@@ -3,6 +3,7 @@
 calls (search, codegen, train, serve)."""
 
 from autopar.api.arguments import TrainingArguments
-from autopar.api.trainer import PredictionOutput, Trainer, TrainOutput
+from autopar.api.generation import PredictionOutput
+from autopar.api.trainer import Trainer, TrainOutput
 
 __all__ = ["PredictionOutput", "TrainOutput", "Trainer", "TrainingArguments"]

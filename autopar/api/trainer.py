@@ -17,7 +17,6 @@ runs the same plan. An error on rank 0 is raised on every rank, in the same word
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -28,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.api.arguments import SCHEDULES, TrainingArguments
+from autopar.api.devices import cluster_for, device_kind, world
+from autopar.api.generation import PredictionOutput, generate_texts, need_tokenizer, predict
 from autopar.api.model_input import resolve_model, snapshot_weights
 from autopar.api.rank_zero import on_rank_zero
 from autopar.artifact import load_artifact
@@ -43,13 +44,11 @@ from autopar.data.hf_datasets import (
 )
 from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
-from autopar.metrics.scores import exact_match
 from autopar.metrics.tasks import multiple_choice_accuracy, qa_exact_match, set_kind
 from autopar.models.hf import load_config
 from autopar.plan import Plan
 from autopar.search.api import plan as make_plan
 from autopar.serve.hf_export import export_hf
-from autopar.serve.pipeline import pipeline
 from autopar.train.checkpoint import latest_checkpoint, save_checkpoint
 from autopar.train.evaluate import HeldOut, evaluate
 from autopar.train.launch import init_process_group, run_program
@@ -69,47 +68,6 @@ class TrainOutput:
     global_step: int
     training_loss: float
     metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class PredictionOutput:
-    """What :meth:`Trainer.predict` returns: the generated texts, the references when the
-    data had answers, and the metrics computed on them."""
-
-    predictions: list
-    label_ids: list | None = None
-    metrics: dict = field(default_factory=dict)
-
-
-def _world() -> tuple[int, int]:
-    """(processes, this one's rank): the process group's when one is joined, else
-    torchrun's environment (one process without it)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
-def _device_kind(args: TrainingArguments) -> str:
-    if args.use_cpu or not torch.accelerator.is_available():
-        return "cpu"
-    return torch.accelerator.current_accelerator().type
-
-
-def cluster_for(kind: str) -> str:
-    """The device profile a run on this machine is planned for: cpu, or the accelerator's
-    by its name (a100-80g when the name is not one autopar has a profile of)."""
-    if kind == "cpu":
-        return "cpu"
-    name = torch.cuda.get_device_name().lower() if kind == "cuda" else ""
-    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if kind == "cuda" \
-        else 0
-    for key, profile in (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"),
-                         ("v100", "v100-16g")):
-        if key in name:
-            return profile
-    if "a100" in name:
-        return "a100-40g" if memory_gb < 60 else "a100-80g"
-    return "ascend-910b" if kind == "npu" else "a100-80g"
 
 
 class Trainer:
@@ -135,8 +93,8 @@ class Trainer:
         self.args = args = args if args is not None else TrainingArguments()
         if not isinstance(args, TrainingArguments):
             raise PlanError(f"args is an autopar.TrainingArguments, got {type(args).__name__}")
-        self.world, self.rank = _world()
-        self.device_kind = _device_kind(args)
+        self.world, self.rank = world()
+        self.device_kind = device_kind(args)
         self._join()
         self.output_dir = Path(args.output_dir)
         self.model_input = resolve_model(model)
@@ -423,74 +381,18 @@ class Trainer:
             if runtime.pipe is not None:  # a pipeline's traced shape
                 shape = {"width": self.seq,
                          "batch_size": self.plan.num_microbatches * self.plan.microbatch_size}
-            return multiple_choice_accuracy(runtime.logits, self._need_tokenizer(), records,
+            return multiple_choice_accuracy(runtime.logits, need_tokenizer(self), records,
                                             **shape)
-        return qa_exact_match(self._generate_texts, records)
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise PlanError("this needs the model's tokenizer: pass tokenizer=FOLDER to "
-                            "autopar.Trainer")
-        return self.tokenizer
+        return qa_exact_match(lambda prompts: generate_texts(self, prompts), records)
 
     # --- generation -----------------------------------------------------------------------
-    def _generator_source(self) -> object:
-        """Where the model's current weights are: a checkpoint saved now (whole weights,
-        read back in one process by each rank) or, before any training, the start."""
-
-        if self._runtime is not None:
-            save_checkpoint(self._runtime, self.output_dir / "checkpoints",
-                            self.args.save_total_limit or 0)
-            return self.output_dir
-        if self.model_input.module is not None:
-            return self.model_input.module
-        return self.model_input.init_from or self.output_dir
-
-    def _generate_texts(self, prompts: list[str], **generation) -> list[str]:
-
-        pipe = getattr(self, "_pipe", None)
-        if pipe is None or getattr(self, "_pipe_step", None) != self.state["global_step"]:
-            pipe = pipeline("text-generation", model=self._generator_source(),
-                            tokenizer=self._need_tokenizer(), device=self._gen_device())
-            self._pipe, self._pipe_step = pipe, self.state["global_step"]
-        generation.setdefault("max_new_tokens", 32)
-        outputs = pipe(list(prompts), return_full_text=False, **generation)
-        return [o[0]["generated_text"] for o in outputs]
-
-    def _gen_device(self) -> str:
-        if self.device_kind == "cpu":
-            return "cpu"
-        return f"{self.device_kind}:{int(os.environ.get('LOCAL_RANK', '0'))}"
-
     def predict(self, test_dataset: object, **generation) -> PredictionOutput:
         """Generate from the model's current weights: ``test_dataset`` is a prompt, a list of
         prompts, or a dataset whose ``prompt`` / ``question`` / text column holds them (with
         an ``answer`` column, the exact match is computed). ``generation`` takes Hugging
         Face's names (max_new_tokens, do_sample, temperature, top_k, top_p). Every rank
         returns the same texts."""
-
-        answers = None
-        if isinstance(test_dataset, str):
-            prompts = [test_dataset]
-        elif isinstance(test_dataset, list) and all(isinstance(p, str) for p in test_dataset):
-            prompts = list(test_dataset)
-        else:
-            rows = [dict(r) for r in test_dataset]
-            column = next((c for c in ("prompt", "question", self.args.dataset_text_field)
-                           if rows and c in rows[0]), None)
-            if column is None:
-                raise PlanError(f"predict reads prompts from a 'prompt', 'question' or "
-                                f"'{self.args.dataset_text_field}' column; the data has "
-                                f"{sorted(rows[0]) if rows else 'no rows'}")
-            prompts = [r[column] for r in rows]
-            if rows and "answer" in rows[0]:
-                answers = [r["answer"] for r in rows]
-        texts = self._generate_texts(prompts, **generation)
-        metrics = {}
-        if answers is not None:
-            firsts = [t.strip().splitlines()[0] if t.strip() else "" for t in texts]
-            metrics["exact_match"] = _best_exact_match(firsts, answers, exact_match)
-        return PredictionOutput(texts, answers, metrics)
+        return predict(self, test_dataset, **generation)
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Save a checkpoint of the current weights (OUTPUT_DIR/checkpoints), or, with
@@ -516,11 +418,3 @@ def _is_task_set(dataset: object) -> bool:
     """A multiple-choice or question-answer set (scored by its answers), not text."""
     columns = set(getattr(dataset, "column_names", None) or [])
     return "choices" in columns or {"question", "answer"} <= columns
-
-
-def _best_exact_match(predictions: list[str], answers: list, score) -> float:
-    hits = 0.0
-    for prediction, answer in zip(predictions, answers, strict=True):
-        accepted = answer if isinstance(answer, list) else [answer]
-        hits += max(score([prediction], [str(a)]) for a in accepted)
-    return hits / len(predictions) if predictions else math.nan
