@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.api.arguments import TrainingArguments
+from autopar.serve.pipeline import default_cluster
 
 
 def world() -> tuple[int, int]:
@@ -26,17 +27,8 @@ def device_kind(args: TrainingArguments) -> str:
 
 
 def cluster_for(kind: str) -> str:
-    """The device profile a run on this machine is planned for: cpu, or the accelerator's
-    by its name (a100-80g when the name is not one autopar has a profile of)."""
+    """The device profile a run on this machine is planned for: cpu, or the accelerator's by
+    its name (a one-line refusal naming cluster= when autopar has no profile of it)."""
     if kind == "cpu":
         return "cpu"
-    name = torch.cuda.get_device_name().lower() if kind == "cuda" else ""
-    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if kind == "cuda" \
-        else 0
-    for key, profile in (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"),
-                         ("v100", "v100-16g")):
-        if key in name:
-            return profile
-    if "a100" in name:
-        return "a100-40g" if memory_gb < 60 else "a100-80g"
-    return "ascend-910b" if kind == "npu" else "a100-80g"
+    return default_cluster(torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))))

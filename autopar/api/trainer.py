@@ -30,7 +30,6 @@ from autopar.api.arguments import SCHEDULES, TrainingArguments
 from autopar.api.devices import cluster_for, device_kind, world
 from autopar.api.generation import PredictionOutput, generate_texts, need_tokenizer, predict
 from autopar.api.model_input import resolve_model, snapshot_weights
-from autopar.api.rank_zero import on_rank_zero
 from autopar.artifact import load_artifact
 from autopar.artifact.load import is_artifact
 from autopar.codegen import compile_artifact
@@ -46,6 +45,7 @@ from autopar.data.instruction import load_hf_tokenizer
 from autopar.errors import PlanError
 from autopar.metrics.tasks import multiple_choice_accuracy, qa_exact_match, set_kind
 from autopar.models.hf import load_config
+from autopar.parallel.rank_zero import on_rank_zero
 from autopar.plan import Plan
 from autopar.search.api import plan as make_plan
 from autopar.serve.hf_export import export_hf

@@ -32,6 +32,7 @@ from autopar.errors import PlanError
 from autopar.ir.graph import Graph
 from autopar.models.hf import build_model, max_positions, token_inputs
 from autopar.models.source import describe_source
+from autopar.parallel.rank_zero import on_rank_zero
 from autopar.peft import applied_method
 from autopar.plan import Plan
 from autopar.search.api import plan as make_plan
@@ -264,20 +265,8 @@ def shared_plan(model: object, loaded: nn.Module, world: int, cluster: str | Pat
     rank lays the model out the same way even where the solver could choose differently
     from run to run. A failure on rank 0 is raised on every rank."""
     where = device if device.type != "cpu" else None
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("plan", serving_plan(model, loaded, world, cluster, constraints).to_dict())]
-        except Exception as exc:
-            # the other ranks wait in the broadcast: tell them, then fail here as raised
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-            dist.broadcast_object_list([("error", reason)], src=0, device=where)
-            raise
-    dist.broadcast_object_list(box, src=0, device=where)
-    kind, value = box[0]
-    if kind == "error":
-        raise PlanError(f"rank 0 could not plan serving: {value}")
-    return Plan.from_dict(value)
+    return Plan.from_dict(on_rank_zero(
+        lambda: serving_plan(model, loaded, world, cluster, constraints).to_dict(), where))
 
 
 def serving_plan(model: object, loaded: nn.Module, world: int, cluster: str | Path,

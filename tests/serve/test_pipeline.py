@@ -276,7 +276,7 @@ def test_under_two_processes_the_pipeline_plans_and_gives_one_processs_text(
     ((failed, free, pinned),) = spawn_ranks(_rank_without_a_plan, 2, (2, str(model_folder)),
                                             timeout_s=240)
     assert all(m is not None and "tp=3" in m and "\n" not in m for m in failed), failed
-    assert failed[1].startswith("rank 0 could not plan serving: PlanError: ")
+    assert failed[0] == failed[1]  # rank 0's error, in the same words on every rank
     for devices, mesh, *outputs in (free, pinned):
         assert devices == 2 and tuple(outputs) == expected  # the text and the token ids
         assert mesh["dp"] * mesh["tp"] * mesh["pp"] == 2
