@@ -17,6 +17,7 @@ from autopar.cli.profile_cmd import profile_cmd
 from autopar.cli.report_cmd import report_cmd
 from autopar.cli.run_cmd import run_cmd
 from autopar.cli.sweep_cmd import sweep_cmd
+from autopar.cli.train_cmd import eval_cmd, finetune_cmd, init_cmd, predict_cmd, train_cmd
 from autopar.errors import AutoparError
 from autopar.train.launch import end_process, fail_message
 
@@ -58,6 +59,9 @@ cli.add_command(profile_cmd)
 cli.add_command(export_cmd)
 cli.add_command(generate_cmd)
 cli.add_command(data_group)
+# a run described by one YAML file (autopar's run config, or a MindFormers run YAML)
+for _command in (init_cmd, train_cmd, finetune_cmd, eval_cmd, predict_cmd):
+    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,7 +64,8 @@ def dataset_kind(data: object, text_field: str = "text") -> str:
     if text_field in columns:
         return "text"
     raise PlanError(f"the dataset's columns are {columns}; autopar trains on a "
-                    f"'{text_field}' column (set dataset_text_field), 'messages' "
+                    f"'{text_field}' column (dataset_text_field; data.text_field in a run "
+                    f"config), 'messages' "
                     f"(conversations), 'prompt'+'response', 'instruction'+'output', or "
                     f"'input_ids'")
 

@@ -63,6 +63,7 @@ class RunLog:
         self._console = None
         self._bar = None
         self._total = 0
+        self._first = 0  # steps done before this run (a resumed one)
         self._times: list[float] = []
         if console:
             from rich.console import Console
@@ -72,10 +73,12 @@ class RunLog:
         self._writer = None
         self._tensorboard = tensorboard and self.directory is not None
 
-    def start(self, total_steps: int) -> None:
-        """A run of ``total_steps`` steps begins (the console's step/total and ETA). Nothing
-        is written before: a run refused earlier leaves no logs."""
+    def start(self, total_steps: int, first_step: int = 0) -> None:
+        """A run of ``total_steps`` steps begins after ``first_step`` steps done before (a
+        resumed run's: the console's step/total counts from the first run). Nothing is
+        written before: a run refused earlier leaves no logs."""
         self._total = total_steps
+        self._first = first_step
         self._times = []
         if self._tensorboard and self._writer is None:
             try:
@@ -114,10 +117,12 @@ class RunLog:
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, record["step"])
         if self._bar is not None:
-            stats = step_line(record, self._total, None).split("  ", 1)[1].rsplit("  ETA", 1)[0]
+            stats = step_line(record, self._first + self._total, None).split(
+                "  ", 1)[1].rsplit("  ETA", 1)[0]
             self._bar.update(self._task, completed=done, stats=stats)
         elif self._console is not None and (done % self.every == 0 or done == self._total):
-            self._console.print(step_line(record, self._total, self._eta(done)), markup=False)
+            self._console.print(step_line(record, self._first + self._total, self._eta(done)),
+                                markup=False)
 
     def evaluation(self, record: dict) -> None:
         """One evaluation's record (step, loss, perplexity, tokens)."""

@@ -561,7 +561,7 @@ class Trainer:
         self.horizon = self.hyper.decay_steps
         losses = []
         if self.log is not None:
-            self.log.start(steps)
+            self.log.start(steps, first_step=self.step_index)
         if profiler is not None:
             profiler.start(self)
         try:

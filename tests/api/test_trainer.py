@@ -212,7 +212,7 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path) -> None:
                                  train_dataset=text), "not an autopar run directory"),
         (lambda: autopar.Trainer("tiny-llama", args=_args(tmp_path / "b"),
                                  train_dataset=datasets.Dataset.from_list([{"body": "x"}])),
-         "set dataset_text_field"),
+         "dataset_text_field; data.text_field"),
         (lambda: autopar.Trainer("tiny-llama", args=_args(tmp_path / "c", max_steps=-1),
                                  train_dataset=text.to_iterable_dataset()), "set max_steps"),
         (lambda: autopar.Trainer(42, args=_args(tmp_path / "d")), "a model is an nn.Module"),
