@@ -39,6 +39,7 @@ from autopar.data.sets import TEXT_SETS
 from autopar.errors import PlanError
 from autopar.metrics import SETS, load_set
 from autopar.plan.plan import write_text_atomic
+from autopar.serve.prompts import prompt_entries
 from autopar.train.checkpoint import latest_checkpoint
 
 __all__ = ["RunConfig", "apply_overrides", "build_trainer", "has_weights", "load_eval_set",
@@ -278,29 +279,15 @@ def load_eval_set(name: str) -> object:
 
 
 def read_prompts(prompts: list[str] | str) -> list[str]:
-    """The prompts: a list as given, a .txt file's non-empty lines, or the "prompt" field of
-    each line of a .jsonl file; a PlanError naming the file and line otherwise."""
+    """The prompts: a list as given, or a prompts file's text prompts (a .txt file's lines, a
+    .jsonl file's "prompt" fields: :func:`autopar.serve.prompts.prompt_entries`)."""
     if isinstance(prompts, list):
         return prompts
-    out = []
-    for number, line in enumerate(Path(prompts).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if not prompts.endswith(".jsonl"):
-            out.append(line)
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{prompts}:{number}: not JSON ({exc.msg}); write one "
-                            f"{{\"prompt\": ...}} object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise PlanError(f"{prompts}:{number}: no \"prompt\" text; write one "
-                            f"{{\"prompt\": ...}} object per line")
-        out.append(row["prompt"])
-    if not out:
-        raise PlanError(f"{prompts} holds no prompts; write one per line")
-    return out
+    entries = prompt_entries(prompts)
+    if not all(isinstance(e, str) for e in entries):
+        raise PlanError(f"{prompts}: predict generates from text; write {{\"prompt\": ...}} "
+                        f"lines, not token ids")
+    return entries
 
 
 def resume_weights(trainer: Trainer) -> str:

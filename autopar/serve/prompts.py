@@ -11,44 +11,57 @@ import click
 from autopar.errors import PlanError
 
 
-def read_prompts(path: str, tokenizer) -> list[list[int]]:
-    """Token-id prompts from FILE: JSONL lines with ``ids`` (a list of token ids) or
-    ``prompt``/``text`` (text, tokenized by ``tokenizer``), or a text file of one prompt per
-    line."""
+def prompt_entries(path: str) -> list[str | list[int]]:
+    """Each prompt of FILE as written: a text file's non-empty lines (text), or a JSONL file's
+    ``ids`` (a list of token ids) or ``prompt``/``text`` (text); a PlanError naming the file
+    and line otherwise."""
     file = Path(path)
     if not file.is_file():
         raise PlanError(f"--prompts {path}: no such file; pass a JSONL of {{\"ids\": [...]}} or "
                         f"{{\"prompt\": \"...\"}} lines, or a text file of one prompt per line")
-    prompts: list[list[int]] = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    entries: list[str | list[int]] = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        text = line
-        if file.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise PlanError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object a "
-                                f"line") from None
-            if isinstance(record, dict) and isinstance(record.get("ids"), list):
-                ids = record["ids"]
-                bad = next((i for i in ids if type(i) is not int or i < 0), None)
-                if bad is not None or not ids:
-                    raise PlanError(f"{path}:{number}: \"ids\" must be a non-empty list of "
-                                    f"token ids (integers >= 0), found "
-                                    f"{repr(bad) if ids else 'none'}")
-                prompts.append(ids)
-                continue
-            text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise PlanError(f"{path}:{number}: expected \"ids\" (token ids) or \"prompt\" "
-                                f"(text)")
-        if tokenizer is None:
-            raise PlanError(f"{path}:{number}: a text prompt needs a tokenizer; pass --tokenizer "
-                            f"HF_FOLDER, or give token ids as {{\"ids\": [...]}}")
-        prompts.append(list(tokenizer(text)["input_ids"]))
-    if not prompts:
+        if file.suffix != ".jsonl":
+            entries.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise PlanError(f"{path}:{number}: not JSON ({exc.msg}); one JSON object a "
+                            f"line") from None
+        if isinstance(record, dict) and isinstance(record.get("ids"), list):
+            ids = record["ids"]
+            bad = next((i for i in ids if type(i) is not int or i < 0), None)
+            if bad is not None or not ids:
+                raise PlanError(f"{path}:{number}: \"ids\" must be a non-empty list of "
+                                f"token ids (integers >= 0), found "
+                                f"{repr(bad) if ids else 'none'}")
+            entries.append(ids)
+            continue
+        text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise PlanError(f"{path}:{number}: expected \"ids\" (token ids) or \"prompt\" "
+                            f"(text)")
+        entries.append(text)
+    if not entries:
         raise PlanError(f"--prompts {path} holds no prompts")
+    return entries
+
+
+def read_prompts(path: str, tokenizer) -> list[list[int]]:
+    """Token-id prompts from FILE (:func:`prompt_entries`), text tokenized by
+    ``tokenizer``."""
+    prompts: list[list[int]] = []
+    for number, entry in enumerate(prompt_entries(path), 1):
+        if isinstance(entry, list):
+            prompts.append(entry)
+            continue
+        if tokenizer is None:
+            raise PlanError(f"{path}: prompt {number} is text, which needs a tokenizer; pass "
+                            f"--tokenizer HF_FOLDER, or give token ids as {{\"ids\": [...]}}")
+        prompts.append(list(tokenizer(entry)["input_ids"]))
     return prompts
 
 

@@ -164,9 +164,12 @@ def test_paths_are_read_from_the_config_files_folder(tmp_path, monkeypatch) -> N
     assert config.training.output_dir == "out"  # where the run writes: the working directory
     loaded = load_source(config.data.train, config.data)
     assert loaded.num_rows == 40 and loaded.column_names == ["text"]
-    (folder / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(PlanError, match="bad.jsonl:2: no \"prompt\""):
+    (folder / "bad.jsonl").write_text('{"prompt": "a"}\n{"body": "b"}\n')
+    with pytest.raises(PlanError, match="bad.jsonl:2: expected \"ids\""):
         read_prompts(str(folder / "bad.jsonl"))
+    (folder / "ids.jsonl").write_text('{"ids": [1, 2]}\n')
+    with pytest.raises(PlanError, match="predict generates from text"):
+        read_prompts(str(folder / "ids.jsonl"))
 
 
 def test_a_source_with_the_wrong_columns_is_refused_before_anything_is_written(tmp_path

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-import transformers
 
 from autopar.errors import PlanError
 from autopar.metrics import (
@@ -22,6 +21,7 @@ from autopar.metrics import (
     set_kind,
 )
 from autopar.models.hf import build_model
+from tests.fixtures.tokenizers import word_bpe
 
 CORPUS = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
           "what is two plus three", "which animal is a bird"]
@@ -36,18 +36,8 @@ def records() -> list[dict]:
 @pytest.fixture(scope="module")
 def tokenizer(records):
     """A BPE of at most 256 ids (the tiny Llama's vocabulary) that prepends <s>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
     text = CORPUS + [r["question"] + " " + " ".join(r["choices"]) for r in records]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(text, trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>")
+    fast = word_bpe(text, 200)
     assert len(fast) <= 256
     return fast
 

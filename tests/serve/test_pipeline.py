@@ -18,6 +18,7 @@ import autopar
 from autopar.errors import PlanError
 from tests.fixtures.harness import run_in_group, spawn_ranks
 from tests.fixtures.layouts import with_full_size_layout
+from tests.fixtures.tokenizers import word_bpe
 
 CORPUS = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today",
           "we read a book at night", "user: hello there assistant: hi"]
@@ -31,17 +32,7 @@ def model_folder(hf_folder, tmp_path_factory):
     """Tiny Llama's Hugging Face folder (seed-0 weights) with a small BPE tokenizer saved
     beside it and a generation_config.json naming that tokenizer's special tokens, as a
     model downloaded from the Hub holds all three."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=100, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>")
+    fast = word_bpe(CORPUS, 100)
     fast.chat_template = CHAT_TEMPLATE
     folder = tmp_path_factory.mktemp("llama-with-tokenizer") / "model"
     shutil.copytree(hf_folder("tiny-llama"), folder)
