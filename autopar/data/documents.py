@@ -10,6 +10,9 @@ document's rotary positions start at 0, as if it were alone in the row.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 # the files a token dataset's metadata sits in: PREFIX.meta.json
@@ -26,3 +29,12 @@ def document_positions(ids: torch.Tensor, eos: int) -> torch.Tensor:
     # each position minus the index where its document began
     began = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - began
+
+
+def write_meta(prefix: str | Path, meta: dict) -> None:
+    """PREFIX.meta.json: what a token dataset's documents are (their end token, packing),
+    written under a temporary name and renamed into place."""
+    path = Path(f"{prefix}{META_SUFFIX}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(path)

@@ -20,12 +20,11 @@ A streamed dataset is read only as far as the run needs (``max_tokens``, ``max_r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from autopar.data.dataset import TokenWriter, dataset_prefix
-from autopar.data.documents import META_SUFFIX
+from autopar.data.documents import write_meta
 from autopar.data.instruction import pack_instruction
 from autopar.errors import PlanError
 
@@ -116,14 +115,6 @@ def write_text(rows: Iterable[dict], prefix: Path, tok, field: str = "text",
             raise PlanError(f"the dataset's '{field}' column has no text; give rows with text")
         write_meta(prefix, {"format": "text", "eos_id": eos})
         return {"documents": writer.num_documents, "tokens": writer.num_tokens}
-
-
-def write_meta(prefix: Path, meta: dict) -> None:
-    """PREFIX.meta.json: what the token files' documents are (their end token)."""
-    path = Path(f"{dataset_prefix(prefix)}{META_SUFFIX}")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta) + "\n")
-    tmp.replace(path)
 
 
 def write_token_rows(rows: Iterable[dict], prefix: Path, vocab: int,

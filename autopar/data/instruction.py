@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from autopar.data.dataset import TokenWriter, dataset_paths, dataset_prefix
+from autopar.data.documents import write_meta
 from autopar.data.prepare import _check_inputs, _lines
 from autopar.errors import PlanError
 
 MASK_SUFFIX = ".mask"
-META_SUFFIX = ".meta.json"
+
 
 
 def _pair(record: object, where: str, prompt_key: str, response_key: str) -> tuple[str, str]:
@@ -176,7 +177,6 @@ def pack_instruction(records, out_prefix: Path, tok, seq: int, prompt_key: str =
     width = seq + 1
     prefix = dataset_prefix(out_prefix)
     mask_path = Path(f"{prefix}{MASK_SUFFIX}")
-    meta_path = Path(f"{prefix}{META_SUFFIX}")
     masks: list[np.ndarray] = []
     row_ids: list[int] = []
     row_mask: list[int] = []
@@ -210,8 +210,8 @@ def pack_instruction(records, out_prefix: Path, tok, seq: int, prompt_key: str =
         tmp = mask_path.with_name(mask_path.name + f".tmp{os.getpid()}")
         mask.tofile(tmp)
         os.replace(tmp, mask_path)
-        meta_path.write_text(json.dumps({"format": "instruction", "seq": seq, "eos_id": eos,
-                                         "pairs": pairs, "cut": cut}) + "\n")
+        write_meta(prefix, {"format": "instruction", "seq": seq, "eos_id": eos,
+                            "pairs": pairs, "cut": cut})
     bin_path, idx_path = dataset_paths(prefix)
     seconds = time.perf_counter() - t0
     return {"prefix": str(prefix), "bin": str(bin_path), "idx": str(idx_path),

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from autopar.data.dataset import TokenWriter, dataset_paths, dataset_prefix
-from autopar.data.documents import META_SUFFIX
+from autopar.data.documents import write_meta
 from autopar.errors import PlanError
 
 EOS = "<|endoftext|>"
@@ -212,8 +212,7 @@ def prepare(inputs: list[Path], out_prefix: Path, tokenizer: str | None = None,
             if writer.num_documents == 0:
                 raise _empty_corpus(paths)
             if eos is not None:  # documents end with it: the runtime can keep them apart
-                meta = Path(f"{prefix}{META_SUFFIX}")
-                meta.write_text(json.dumps({"format": "text", "eos_id": eos}) + "\n")
+                write_meta(prefix, {"format": "text", "eos_id": eos})
             if trained:
                 tok_path.parent.mkdir(parents=True, exist_ok=True)
                 tok.save(str(tok_tmp))
